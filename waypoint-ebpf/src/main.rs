@@ -1,0 +1,111 @@
+//! The waypoint's in-kernel splice.
+//!
+//! One SK_SKB stream verdict program over one SockHash. Each spliced socket is stored in
+//! `PEERS` under its **peer's** cookie, so a segment arriving on socket A is redirected to
+//! the egress of `PEERS[cookie(A)]` = B, and bytes flow A→B without reaching userspace.
+//!
+//! The program never drops a byte: whenever it does not redirect, it returns SK_PASS and
+//! the bytes stay readable on the source socket for the daemon to forward itself. See
+//! `waypoint_common::FlowBudget` for the two conditions under which it redirects, and
+//! docs/ARCHITECTURE.md for why (ordering, and a bounded in-flight backlog).
+#![no_std]
+#![no_main]
+
+use aya_ebpf::{
+    bindings::sk_action::SK_PASS,
+    helpers::bpf_get_socket_cookie,
+    macros::{map, stream_verdict},
+    maps::{HashMap, PerCpuArray, SockHash},
+    programs::SkBuffContext,
+};
+use waypoint_common::{FlowBudget, FlowCounters, Stat, DEFAULT_MAX_SOCKETS, STAT_COUNT};
+
+#[map]
+static PEERS: SockHash<u64> = SockHash::with_max_entries(DEFAULT_MAX_SOCKETS, 0);
+
+#[map]
+static COUNTERS: HashMap<u64, FlowCounters> = HashMap::with_max_entries(DEFAULT_MAX_SOCKETS, 0);
+
+#[map]
+static BUDGETS: HashMap<u64, FlowBudget> = HashMap::with_max_entries(DEFAULT_MAX_SOCKETS, 0);
+
+#[map]
+static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(STAT_COUNT, 0);
+
+#[stream_verdict]
+pub fn waypoint_verdict(ctx: SkBuffContext) -> u32 {
+    verdict(&ctx)
+}
+
+#[inline(always)]
+fn count(stat: Stat) {
+    if let Some(slot) = STATS.get_ptr_mut(stat as u32) {
+        // SAFETY: the pointer comes from a successful lookup in a per-CPU array, so it is
+        // valid and only this CPU touches this slot.
+        unsafe { *slot += 1 };
+    }
+}
+
+#[inline(always)]
+fn verdict(ctx: &SkBuffContext) -> u32 {
+    let len = u64::from(ctx.len());
+    // A bare FIN arrives as an empty segment. Redirecting it can make the peer's recv()
+    // fail with EPIPE; left here, it lets the daemon see EOF and shut the peer down only
+    // once every byte before it has reached the peer's TCP.
+    if len == 0 {
+        count(Stat::PassedEmpty);
+        return SK_PASS;
+    }
+    // SAFETY: the skb pointer is the program's context, valid for the whole invocation.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.skb.skb.cast()) };
+
+    let Some(counters) = COUNTERS.get_ptr_mut(cookie) else {
+        count(Stat::PassedUnknown);
+        return SK_PASS;
+    };
+    // SAFETY: the pointer is from a successful lookup. Verdicts for one socket run under
+    // that socket's lock, so nothing else writes this value concurrently; userspace only
+    // reads it.
+    let counters = unsafe { &mut *counters };
+    // SAFETY: a successful lookup; the value is copied out before use.
+    let Some(budget) = (unsafe { BUDGETS.get(cookie) }).copied() else {
+        counters.passed += len;
+        count(Stat::PassedUnknown);
+        return SK_PASS;
+    };
+
+    if counters.passed != budget.consumed {
+        // Userspace still holds bytes that came before this segment.
+        counters.passed += len;
+        count(Stat::PassedOrdering);
+        return SK_PASS;
+    }
+    if counters.redirected + len > budget.credit {
+        counters.passed += len;
+        count(Stat::PassedBudget);
+        return SK_PASS;
+    }
+    // Flags 0: to the peer's egress (its TCP send path), not its receive queue.
+    let action = PEERS.redirect_skb(ctx, cookie, 0);
+    if action == i64::from(SK_PASS) {
+        counters.redirected += len;
+        count(Stat::Redirected);
+        SK_PASS
+    } else {
+        // The helper's failure is SK_DROP. Dropping would lose bytes the sender already
+        // saw ACKed, so keep them here for userspace instead.
+        counters.passed += len;
+        count(Stat::PassedNoPeer);
+        SK_PASS
+    }
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo<'_>) -> ! {
+    loop {}
+}
+
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";

@@ -1,0 +1,297 @@
+//! Moving the bytes of one routed connection between the downstream socket (accepted on
+//! the tunnel port) and the upstream socket (dialed to a pod's `:15008`), in both
+//! directions, until both sides are done.
+//!
+//! Three implementations sit behind one API ([`Dataplane::forward`]):
+//! - [`ebpf`]: the kernel moves the bytes (SockHash + SK_SKB stream verdict);
+//! - [`splice`]: splice(2) through a pipe per direction, driven by tokio readiness;
+//! - [`copy`]: a portable userspace copy.
+//!
+//! They share the connection semantics implemented in [`drive`]: a FIN from one side is
+//! passed on as a half-close to the other only after every byte before it; a reset from
+//! one side aborts the other; an idle or over-age connection is closed.
+
+pub mod copy;
+pub mod ebpf;
+pub mod splice;
+
+use std::{
+    future::Future,
+    io,
+    pin::pin,
+    time::{Duration, Instant},
+};
+
+use tokio::net::TcpStream;
+
+/// Which implementation moves the bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Kind {
+    /// In the kernel: SockHash + SK_SKB stream verdict redirect (needs CAP_BPF, CAP_NET_ADMIN).
+    Ebpf,
+    /// splice(2) through pipes: zero-copy in the kernel, driven from userspace.
+    Splice,
+    /// Userspace read/write copy: portable, slowest.
+    Copy,
+    /// eBPF when the programs load and attach, else splice.
+    Auto,
+}
+
+impl Kind {
+    /// The label used in logs and metrics.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Kind::Ebpf => "ebpf",
+            Kind::Splice => "splice",
+            Kind::Copy => "copy",
+            Kind::Auto => "auto",
+        }
+    }
+}
+
+/// Limits applied to every forwarded connection.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Close a connection when no byte moved in either direction for this long.
+    pub idle_timeout: Duration,
+    /// Close a connection this long after it started, whatever it is doing (None: never).
+    pub max_lifetime: Option<Duration>,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            idle_timeout: Duration::from_secs(3600),
+            max_lifetime: None,
+        }
+    }
+}
+
+/// How a forwarded connection ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum End {
+    /// Both sides sent FIN and every byte was delivered to the other side's TCP.
+    Closed,
+    /// The downstream peer reset; the upstream was aborted.
+    DownstreamReset,
+    /// The upstream peer reset; the downstream was aborted.
+    UpstreamReset,
+    /// Nothing moved for `idle_timeout`; both sides were closed.
+    IdleTimeout,
+    /// The connection outlived `max_lifetime`; both sides were closed.
+    LifetimeExceeded,
+    /// A local I/O error other than a reset; both sides were aborted.
+    Error(io::ErrorKind),
+}
+
+impl End {
+    /// A short label for metrics and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            End::Closed => "closed",
+            End::DownstreamReset => "downstream_reset",
+            End::UpstreamReset => "upstream_reset",
+            End::IdleTimeout => "idle_timeout",
+            End::LifetimeExceeded => "lifetime_exceeded",
+            End::Error(_) => "error",
+        }
+    }
+}
+
+/// What [`Dataplane::forward`] resolves with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Outcome {
+    /// Bytes delivered from downstream to upstream, including the initial bytes.
+    pub downstream_to_upstream: u64,
+    /// Bytes delivered from upstream to downstream.
+    pub upstream_to_downstream: u64,
+    /// How the connection ended.
+    pub end: End,
+}
+
+/// Errors setting up a forwarded connection (before any byte moved).
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The eBPF dataplane could not register the sockets.
+    #[error("ebpf dataplane: {0}")]
+    Ebpf(#[from] ebpf::Error),
+    /// A socket option or pipe could not be set up.
+    #[error("dataplane setup: {0}")]
+    Io(#[from] io::Error),
+}
+
+/// The dataplane chosen at start.
+pub enum Dataplane {
+    /// See [`ebpf`].
+    Ebpf(ebpf::Ebpf),
+    /// See [`splice`].
+    Splice(splice::Splice),
+    /// See [`copy`].
+    Copy(copy::Copy),
+}
+
+impl Dataplane {
+    /// Which implementation this is.
+    pub fn kind(&self) -> Kind {
+        match self {
+            Dataplane::Ebpf(_) => Kind::Ebpf,
+            Dataplane::Splice(_) => Kind::Splice,
+            Dataplane::Copy(_) => Kind::Copy,
+        }
+    }
+
+    /// Moves bytes between `downstream` and `upstream` until both directions are done.
+    ///
+    /// `initial` holds bytes already read from downstream (the ClientHello): they are
+    /// delivered to upstream first, before anything else from downstream.
+    pub async fn forward(
+        &self,
+        downstream: TcpStream,
+        upstream: TcpStream,
+        initial: &[u8],
+        limits: Limits,
+    ) -> Result<Outcome, Error> {
+        match self {
+            Dataplane::Ebpf(d) => Ok(d.forward(downstream, upstream, initial, limits).await?),
+            Dataplane::Splice(d) => Ok(d.forward(downstream, upstream, initial, limits).await?),
+            Dataplane::Copy(d) => Ok(d.forward(downstream, upstream, initial, limits).await?),
+        }
+    }
+}
+
+/// How one direction ended, as seen by the pump reading its source.
+#[derive(Debug)]
+pub(crate) enum DirEnd {
+    /// The source sent FIN; the pump delivered every byte and shut the destination's
+    /// write side.
+    Eof,
+    /// The source reset (ECONNRESET and friends) while being read.
+    SourceReset,
+    /// The destination reset while being written.
+    DestReset,
+    /// Any other I/O error, on either socket.
+    Error(io::Error),
+}
+
+fn is_reset(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionReset | io::ErrorKind::ConnectionAborted | io::ErrorKind::BrokenPipe
+    )
+}
+
+/// Classifies an I/O error from reading the source socket.
+pub(crate) fn classify_read_error(e: io::Error) -> DirEnd {
+    if is_reset(&e) {
+        DirEnd::SourceReset
+    } else {
+        DirEnd::Error(e)
+    }
+}
+
+/// Classifies an I/O error from writing the destination socket.
+pub(crate) fn classify_write_error(e: io::Error) -> DirEnd {
+    if is_reset(&e) {
+        DirEnd::DestReset
+    } else {
+        DirEnd::Error(e)
+    }
+}
+
+/// Makes the next close of `sock` send RST instead of FIN (SO_LINGER with zero timeout).
+pub(crate) fn abort_on_close(sock: &TcpStream) {
+    // Failure only means the peer sees FIN instead of RST; nothing better to do.
+    let _ = socket2::SockRef::from(sock).set_linger(Some(Duration::ZERO));
+}
+
+/// Shuts the write side of `sock` (sends FIN after everything queued).
+pub(crate) fn shutdown_write(sock: &TcpStream) -> io::Result<()> {
+    match socket2::SockRef::from(sock).shutdown(std::net::Shutdown::Write) {
+        // The peer already went away: its reset is reported by the other direction.
+        Err(e) if e.kind() == io::ErrorKind::NotConnected => Ok(()),
+        r => r,
+    }
+}
+
+/// Runs both directions of one connection to completion with the shared semantics:
+/// half-closes pass through, a reset on one side aborts the other, idle and lifetime
+/// limits close both.
+///
+/// `down_to_up` reads downstream and writes upstream, `up_to_down` the reverse.
+/// `progress` returns a number that grows whenever bytes move (used for the idle timer);
+/// it is only called every few seconds at most. Both sockets are closed by the caller
+/// dropping them; this function only arranges *how* (FIN or RST).
+pub(crate) async fn drive<A, B>(
+    downstream: &TcpStream,
+    upstream: &TcpStream,
+    limits: Limits,
+    down_to_up: A,
+    up_to_down: B,
+    progress: impl Fn() -> u64,
+) -> End
+where
+    A: Future<Output = DirEnd>,
+    B: Future<Output = DirEnd>,
+{
+    let started = Instant::now();
+    let mut down_to_up = pin!(down_to_up);
+    let mut up_to_down = pin!(up_to_down);
+    let mut d2u_done = false;
+    let mut u2d_done = false;
+
+    // Idle check cadence: a quarter of the idle timeout, but at least every 5 s and at
+    // most every 10 ms, so the timeout fires within 25 % of its setting.
+    let tick = (limits.idle_timeout / 4).clamp(Duration::from_millis(10), Duration::from_secs(5));
+    let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + tick, tick);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last_progress = progress();
+    let mut last_change = Instant::now();
+
+    // A reset on one side is passed on as an abort of the other: both sockets close
+    // with RST when the caller drops them.
+    let reset = |end: End| {
+        abort_on_close(downstream);
+        abort_on_close(upstream);
+        end
+    };
+    let fail = |e: &io::Error| {
+        abort_on_close(downstream);
+        abort_on_close(upstream);
+        End::Error(e.kind())
+    };
+
+    loop {
+        tokio::select! {
+            r = &mut down_to_up, if !d2u_done => match r {
+                DirEnd::Eof => d2u_done = true,
+                DirEnd::SourceReset => return reset(End::DownstreamReset),
+                DirEnd::DestReset => return reset(End::UpstreamReset),
+                DirEnd::Error(e) => return fail(&e),
+            },
+            r = &mut up_to_down, if !u2d_done => match r {
+                DirEnd::Eof => u2d_done = true,
+                DirEnd::SourceReset => return reset(End::UpstreamReset),
+                DirEnd::DestReset => return reset(End::DownstreamReset),
+                DirEnd::Error(e) => return fail(&e),
+            },
+            _ = ticker.tick() => {
+                if let Some(max) = limits.max_lifetime {
+                    if started.elapsed() >= max {
+                        return End::LifetimeExceeded;
+                    }
+                }
+                let now = progress();
+                if now != last_progress {
+                    last_progress = now;
+                    last_change = Instant::now();
+                } else if last_change.elapsed() >= limits.idle_timeout {
+                    return End::IdleTimeout;
+                }
+            }
+        }
+        if d2u_done && u2d_done {
+            return End::Closed;
+        }
+    }
+}
+

@@ -1,0 +1,590 @@
+//! The eBPF dataplane: the kernel moves the bytes.
+//!
+//! Both sockets of a connection go into one SockHash, each under its **peer's** cookie,
+//! with the SK_SKB stream verdict program (waypoint-ebpf) attached to it. A segment that
+//! arrives on one socket is redirected to the other socket's egress without a wake-up of
+//! this process. Userspace keeps three jobs, one task per connection:
+//!
+//! 1. **Ordering at the edges.** The initial bytes (the ClientHello) and anything the
+//!    verdict passes instead of redirecting are forwarded from userspace, and the verdict
+//!    redirects nothing while userspace holds bytes (`passed != consumed`).
+//! 2. **Backpressure.** The kernel parks redirected bytes in the peer's backlog without
+//!    limit if the peer's TCP cannot take them. Userspace grants the verdict a *credit*:
+//!    the bytes the peer's TCP has already taken plus `max_inflight`. Past it the verdict
+//!    passes, the source's receive buffer fills and the sender's window closes.
+//! 3. **Close semantics.** The verdict never redirects an empty segment (a bare FIN), so
+//!    userspace sees EOF, waits until the peer's TCP holds every byte sent before it, and
+//!    only then shuts the peer's write side. A reset is passed on as an abort.
+//!
+//! "The peer's TCP holds N bytes" is measured as `tcpi_bytes_acked + SIOCOUTQ`, read in
+//! that order so that the sum never overstates what TCP holds.
+
+use std::{
+    io,
+    os::fd::{AsFd, AsRawFd},
+    sync::{
+        atomic::{AtomicU64, Ordering::Relaxed},
+        Mutex, MutexGuard,
+    },
+    time::Duration,
+};
+
+use aya::{
+    maps::{HashMap, MapData, PerCpuArray, SockHash},
+    programs::SkSkb,
+    Ebpf as Loaded, EbpfLoader,
+};
+use tokio::net::TcpStream;
+use tracing::{debug, info};
+use waypoint_common::{
+    FlowBudget, FlowCounters, Stat, BUDGETS_MAP, COUNTERS_MAP, PEERS_MAP, STATS_MAP, VERDICT_PROG,
+};
+
+use super::{
+    classify_read_error, classify_write_error, copy::write_all, drive, shutdown_write, DirEnd,
+    Limits, Outcome,
+};
+
+/// The eBPF object built by waypoint-user's build script from waypoint-ebpf.
+static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/waypoint"));
+
+/// Default bound on bytes in flight inside the kernel per direction of a connection.
+pub const DEFAULT_MAX_INFLIGHT: u64 = 4 * 1024 * 1024;
+
+/// How often the credit is refreshed while a direction is moving bytes.
+const REFRESH_INTERVAL: Duration = Duration::from_millis(1);
+
+/// Refreshes in a row that found nothing new before a direction stops refreshing; the
+/// next segment that the verdict passes wakes it again.
+const IDLE_REFRESHES: u32 = 8;
+
+/// `TCP_CLOSE` from include/net/tcp_states.h: the state of a reset or aborted socket.
+const TCP_CLOSE: u8 = 7;
+
+/// `SO_COOKIE` from linux/socket.h (not exported by the libc crate).
+const SO_COOKIE: libc::c_int = 57;
+
+/// Settings of the eBPF dataplane.
+#[derive(Clone, Copy, Debug)]
+pub struct Config {
+    /// Bytes allowed in flight in the kernel per direction (redirected but not yet taken
+    /// by the destination's TCP). Bounds memory under a slow reader.
+    pub max_inflight: u64,
+    /// Forced send and receive buffer size for spliced sockets (SO_SNDBUFFORCE /
+    /// SO_RCVBUFFORCE); None keeps the kernel's autotuning.
+    pub socket_buffer: Option<usize>,
+    /// Capacity of the per-socket maps: two entries per connection.
+    pub max_sockets: u32,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            max_inflight: DEFAULT_MAX_INFLIGHT,
+            socket_buffer: None,
+            max_sockets: waypoint_common::DEFAULT_MAX_SOCKETS,
+        }
+    }
+}
+
+/// Errors of the eBPF dataplane.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The object could not be loaded (no CAP_BPF, old kernel, verifier rejection).
+    #[error("loading the eBPF object failed (needs root or CAP_BPF+CAP_NET_ADMIN and a kernel with sockmap): {0}")]
+    Load(#[from] aya::EbpfError),
+    /// The verdict program could not be loaded or attached.
+    #[error("loading or attaching the stream verdict failed: {0}")]
+    Program(#[from] aya::programs::ProgramError),
+    /// A map is missing from the object or could not be used.
+    #[error("eBPF map {name}: {reason}")]
+    Map {
+        /// The map's name.
+        name: &'static str,
+        /// What went wrong.
+        reason: String,
+    },
+    /// A map operation for one connection failed (e.g. the maps are full).
+    #[error("eBPF map update failed: {0}")]
+    Update(#[from] aya::maps::MapError),
+    /// A socket option failed.
+    #[error("socket setup: {0}")]
+    Io(#[from] io::Error),
+}
+
+/// Live entry counts of the per-socket maps, for tests and diagnostics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MapCounts {
+    /// Sockets in the SockHash.
+    pub peers: usize,
+    /// Entries of the counters map.
+    pub counters: usize,
+    /// Entries of the budgets map.
+    pub budgets: usize,
+}
+
+/// The loaded and attached eBPF dataplane. Dropping it detaches the program.
+pub struct Ebpf {
+    config: Config,
+    peers: Mutex<SockHash<MapData, u64>>,
+    counters: Mutex<HashMap<MapData, u64, FlowCounters>>,
+    budgets: Mutex<HashMap<MapData, u64, FlowBudget>>,
+    stats: PerCpuArray<MapData, u64>,
+    // Owns the program and its attachment to the SockHash.
+    _loaded: Loaded,
+}
+
+fn map_error(name: &'static str, reason: impl ToString) -> Error {
+    Error::Map {
+        name,
+        reason: reason.to_string(),
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding the lock cannot leave a map half-updated (each operation is
+    // one syscall), so a poisoned lock is still safe to use.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Ebpf {
+    /// Loads the verdict program and its maps and attaches the program to the SockHash.
+    pub fn load(config: Config) -> Result<Ebpf, Error> {
+        raise_memlock_limit();
+        let mut loaded = EbpfLoader::new()
+            .map_max_entries(PEERS_MAP, config.max_sockets)
+            .map_max_entries(COUNTERS_MAP, config.max_sockets)
+            .map_max_entries(BUDGETS_MAP, config.max_sockets)
+            .load(OBJECT)?;
+        let take = |loaded: &mut Loaded, name: &'static str| {
+            loaded
+                .take_map(name)
+                .ok_or_else(|| map_error(name, "missing from the object"))
+        };
+        let peers: SockHash<MapData, u64> = take(&mut loaded, PEERS_MAP)?
+            .try_into()
+            .map_err(|e| map_error(PEERS_MAP, e))?;
+        let counters: HashMap<MapData, u64, FlowCounters> = take(&mut loaded, COUNTERS_MAP)?
+            .try_into()
+            .map_err(|e| map_error(COUNTERS_MAP, e))?;
+        let budgets: HashMap<MapData, u64, FlowBudget> = take(&mut loaded, BUDGETS_MAP)?
+            .try_into()
+            .map_err(|e| map_error(BUDGETS_MAP, e))?;
+        let stats: PerCpuArray<MapData, u64> = take(&mut loaded, STATS_MAP)?
+            .try_into()
+            .map_err(|e| map_error(STATS_MAP, e))?;
+        let prog: &mut SkSkb = loaded
+            .program_mut(VERDICT_PROG)
+            .ok_or_else(|| map_error("program", "stream verdict missing from the object"))?
+            .try_into()?;
+        prog.load()?;
+        prog.attach(peers.fd())?;
+        info!(
+            max_inflight = config.max_inflight,
+            socket_buffer = ?config.socket_buffer,
+            max_sockets = config.max_sockets,
+            "eBPF dataplane attached"
+        );
+        Ok(Ebpf {
+            config,
+            peers: Mutex::new(peers),
+            counters: Mutex::new(counters),
+            budgets: Mutex::new(budgets),
+            stats,
+            _loaded: loaded,
+        })
+    }
+
+    /// The settings in force.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Counts the entries of the per-socket maps (walks them: diagnostics only).
+    pub fn map_counts(&self) -> MapCounts {
+        MapCounts {
+            peers: lock(&self.peers).keys().count(),
+            counters: lock(&self.counters).keys().count(),
+            budgets: lock(&self.budgets).keys().count(),
+        }
+    }
+
+    /// The verdict program's statistics, summed over CPUs, in [`Stat::ALL`] order.
+    pub fn stats(&self) -> Vec<(Stat, u64)> {
+        Stat::ALL
+            .iter()
+            .map(|&s| {
+                let total = self
+                    .stats
+                    .get(&(s as u32), 0)
+                    .map(|v| v.iter().sum())
+                    .unwrap_or(0);
+                (s, total)
+            })
+            .collect()
+    }
+
+    /// See [`super::Dataplane::forward`].
+    pub async fn forward(
+        &self,
+        downstream: TcpStream,
+        upstream: TcpStream,
+        initial: &[u8],
+        limits: Limits,
+    ) -> Result<Outcome, Error> {
+        if let Some(size) = self.config.socket_buffer {
+            for s in [&downstream, &upstream] {
+                set_buffers(s, size)?;
+            }
+        }
+        let down = cookie(&downstream)?;
+        let up = cookie(&upstream)?;
+        // The kernel runs a socket's queued segments through the verdict when the socket
+        // is inserted, but from the segment's start: bytes of a segment that userspace
+        // has already read in part (the router stops reading mid-segment after the
+        // ClientHello) would be delivered a second time. Reading everything queued now
+        // leaves no partly-read segment behind; what arrives later is whole.
+        let mut down_initial = initial.to_vec();
+        drain_queued(&downstream, &mut down_initial)?;
+        let mut up_initial = Vec::new();
+        drain_queued(&upstream, &mut up_initial)?;
+        let reg = Registration::new(self, (down, &downstream), (up, &upstream))?;
+        // Nothing has been redirected yet (credit 0): these are the TCP baselines.
+        let down_base = handed(&downstream)?.bytes;
+        let up_base = handed(&upstream)?.bytes;
+
+        let d2u_user = AtomicU64::new(0);
+        let u2d_user = AtomicU64::new(0);
+        let d2u = Direction {
+            dp: self,
+            src: &downstream,
+            src_cookie: down,
+            dst: &upstream,
+            dst_base: up_base,
+            user_bytes: &d2u_user,
+        };
+        let u2d = Direction {
+            dp: self,
+            src: &upstream,
+            src_cookie: up,
+            dst: &downstream,
+            dst_base: down_base,
+            user_bytes: &u2d_user,
+        };
+        let redirected = |c: u64| self.counters(c).redirected;
+        let end = drive(
+            &downstream,
+            &upstream,
+            limits,
+            d2u.run(&down_initial),
+            u2d.run(&up_initial),
+            || redirected(down) + redirected(up) + d2u_user.load(Relaxed) + u2d_user.load(Relaxed),
+        )
+        .await;
+        let outcome = Outcome {
+            downstream_to_upstream: redirected(down) + d2u_user.load(Relaxed),
+            upstream_to_downstream: redirected(up) + u2d_user.load(Relaxed),
+            end,
+        };
+        drop(reg);
+        Ok(outcome)
+    }
+
+    fn set_budget(&self, cookie: u64, budget: FlowBudget) -> Result<(), aya::maps::MapError> {
+        lock(&self.budgets).insert(cookie, budget, 0)
+    }
+
+    fn counters(&self, cookie: u64) -> FlowCounters {
+        lock(&self.counters).get(&cookie, 0).unwrap_or_default()
+    }
+}
+
+/// A connection's entries in the maps; removed on drop, whatever way the connection ends.
+struct Registration<'a> {
+    dp: &'a Ebpf,
+    cookies: [u64; 2],
+}
+
+impl<'a> Registration<'a> {
+    fn new(dp: &'a Ebpf, a: (u64, &TcpStream), b: (u64, &TcpStream)) -> Result<Self, Error> {
+        // Constructed first so that a failure half-way still removes what was inserted.
+        let reg = Registration {
+            dp,
+            cookies: [a.0, b.0],
+        };
+        // Records before sockets, with zero credit: until userspace has written the
+        // initial bytes, every segment (including any already queued, which the kernel
+        // runs through the verdict on insertion) is passed to userspace, never redirected
+        // or dropped.
+        for c in reg.cookies {
+            lock(&dp.counters).insert(c, FlowCounters::default(), 0)?;
+            dp.set_budget(c, FlowBudget::default())?;
+        }
+        let mut peers = lock(&dp.peers);
+        // Each socket is stored under its peer's cookie.
+        peers.insert(a.0, b.1.as_fd(), 0)?;
+        peers.insert(b.0, a.1.as_fd(), 0)?;
+        Ok(reg)
+    }
+}
+
+impl Drop for Registration<'_> {
+    fn drop(&mut self) {
+        // Sockets first, so the verdict stops running before its records go. Errors are
+        // ENOENT (never inserted, or already unlinked by close): nothing to undo.
+        for c in self.cookies {
+            let _ = lock(&self.dp.peers).remove(&c);
+        }
+        for c in self.cookies {
+            let _ = lock(&self.dp.counters).remove(&c);
+            let _ = lock(&self.dp.budgets).remove(&c);
+        }
+    }
+}
+
+/// One direction of a spliced connection: bytes arriving on `src` go to `dst`.
+struct Direction<'a> {
+    dp: &'a Ebpf,
+    src: &'a TcpStream,
+    src_cookie: u64,
+    dst: &'a TcpStream,
+    /// `handed(dst)` before anything was sent.
+    dst_base: u64,
+    /// Bytes userspace wrote to `dst` (initial bytes and passed segments).
+    user_bytes: &'a AtomicU64,
+}
+
+impl Direction<'_> {
+    async fn run(self, initial: &[u8]) -> DirEnd {
+        match self.run_inner(initial).await {
+            Ok(end) => end,
+            Err(end) => end,
+        }
+    }
+
+    async fn run_inner(&self, initial: &[u8]) -> Result<DirEnd, DirEnd> {
+        let limit = self.dp.config.max_inflight;
+        if !initial.is_empty() {
+            write_all(self.dst, initial)
+                .await
+                .map_err(classify_write_error)?;
+            self.user_bytes.fetch_add(initial.len() as u64, Relaxed);
+        }
+        let mut budget = FlowBudget {
+            credit: limit,
+            consumed: 0,
+        };
+        self.publish(budget)?;
+
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut quiet_refreshes = 0u32;
+        loop {
+            let refreshing = quiet_refreshes < IDLE_REFRESHES;
+            tokio::select! {
+                biased;
+                r = self.src.readable() => {
+                    r.map_err(classify_read_error)?;
+                    if self.forward_passed(&mut buf, &mut budget).await? {
+                        return self.finish().await;
+                    }
+                    quiet_refreshes = 0;
+                }
+                _ = tokio::time::sleep(REFRESH_INTERVAL), if refreshing => {
+                    let credit = self.credit()?;
+                    if credit != budget.credit {
+                        budget.credit = credit;
+                        self.publish(budget)?;
+                        quiet_refreshes = 0;
+                    } else {
+                        quiet_refreshes += 1;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Reads what the verdict passed and forwards it. Returns true at EOF.
+    async fn forward_passed(
+        &self,
+        buf: &mut [u8],
+        budget: &mut FlowBudget,
+    ) -> Result<bool, DirEnd> {
+        let mut synced = false;
+        loop {
+            let n = match self.src.try_read(buf) {
+                Ok(0) => return Ok(true),
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) => return Err(classify_read_error(e)),
+            };
+            // The verdict passes everything from the first passed segment until
+            // `consumed` catches up with `passed`, so `redirected` is frozen now. Let the
+            // kernel hand every redirected byte to dst's TCP before writing after them.
+            if !synced {
+                self.wait_handed().await?;
+                synced = true;
+            }
+            write_all(self.dst, &buf[..n])
+                .await
+                .map_err(classify_write_error)?;
+            self.user_bytes.fetch_add(n as u64, Relaxed);
+            budget.consumed += n as u64;
+        }
+        budget.credit = self.credit()?;
+        self.publish(*budget)?;
+        Ok(false)
+    }
+
+    /// EOF from src: once dst's TCP holds every byte, pass the FIN on.
+    async fn finish(&self) -> Result<DirEnd, DirEnd> {
+        self.wait_handed().await?;
+        shutdown_write(self.dst).map_err(classify_write_error)?;
+        Ok(DirEnd::Eof)
+    }
+
+    /// Waits until dst's TCP has taken every redirected and userspace-written byte.
+    /// Only valid while `redirected` cannot grow (after a pass or at EOF).
+    async fn wait_handed(&self) -> Result<(), DirEnd> {
+        let target = self.dp.counters(self.src_cookie).redirected + self.user_bytes.load(Relaxed);
+        let mut spins = 0u32;
+        loop {
+            let h = handed(self.dst).map_err(DirEnd::Error)?;
+            if h.bytes.saturating_sub(self.dst_base) >= target {
+                return Ok(());
+            }
+            if h.closed {
+                // Reset or aborted: the parked bytes will never be sent.
+                return Err(DirEnd::DestReset);
+            }
+            // The kworker usually drains within microseconds: yield a few times before
+            // falling back to the timer.
+            spins += 1;
+            if spins < 64 {
+                tokio::task::yield_now().await;
+            } else {
+                tokio::time::sleep(Duration::from_micros(200)).await;
+            }
+        }
+    }
+
+    /// The credit that keeps at most `max_inflight` redirected bytes outside dst's TCP.
+    fn credit(&self) -> Result<u64, DirEnd> {
+        let h = handed(self.dst).map_err(DirEnd::Error)?;
+        let redirected_in_tcp = h
+            .bytes
+            .saturating_sub(self.dst_base)
+            .saturating_sub(self.user_bytes.load(Relaxed));
+        Ok(redirected_in_tcp + self.dp.config.max_inflight)
+    }
+
+    fn publish(&self, budget: FlowBudget) -> Result<(), DirEnd> {
+        self.dp
+            .set_budget(self.src_cookie, budget)
+            .map_err(|e| DirEnd::Error(io::Error::other(e)))
+    }
+}
+
+/// What a socket's TCP has taken from its writers so far.
+struct Handed {
+    /// Bytes acknowledged by the peer plus bytes queued (sent or not).
+    bytes: u64,
+    /// The socket is closed (reset or aborted).
+    closed: bool,
+}
+
+fn handed(sock: &TcpStream) -> io::Result<Handed> {
+    let fd = sock.as_raw_fd();
+    // SAFETY: tcp_info is plain old data; zeroed is a valid value.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: fd is an open socket owned by `sock`; info and len are valid for writes of
+    // the sizes given.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&raw mut info).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let mut outq: libc::c_int = 0;
+    // SAFETY: SIOCOUTQ (= TIOCOUTQ) writes one int through the pointer.
+    let rc = unsafe { libc::ioctl(fd, libc::TIOCOUTQ, &mut outq) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(Handed {
+        bytes: info.tcpi_bytes_acked + u64::try_from(outq).unwrap_or(0),
+        closed: info.tcpi_state == TCP_CLOSE,
+    })
+}
+
+/// Reads everything queued on `sock` into `buf`, without waiting.
+fn drain_queued(sock: &TcpStream, buf: &mut Vec<u8>) -> io::Result<()> {
+    let mut chunk = [0u8; 16 * 1024];
+    loop {
+        match sock.try_read(&mut chunk) {
+            // EOF already: the FIN stays visible to the pump as EOF.
+            Ok(0) => return Ok(()),
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+fn cookie(sock: &TcpStream) -> io::Result<u64> {
+    let mut cookie: u64 = 0;
+    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+    // SAFETY: fd is an open socket owned by `sock`; cookie and len are valid for writes
+    // of the sizes given.
+    let rc = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            SO_COOKIE,
+            (&raw mut cookie).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(cookie)
+}
+
+fn set_buffers(sock: &TcpStream, size: usize) -> io::Result<()> {
+    let size = libc::c_int::try_from(size).unwrap_or(libc::c_int::MAX);
+    for opt in [libc::SO_SNDBUFFORCE, libc::SO_RCVBUFFORCE] {
+        // SAFETY: fd is an open socket owned by `sock`; the option value is one int.
+        let rc = unsafe {
+            libc::setsockopt(
+                sock.as_raw_fd(),
+                libc::SOL_SOCKET,
+                opt,
+                (&raw const size).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// Kernels before 5.11 charge BPF maps to RLIMIT_MEMLOCK; later ones to the memory cgroup.
+fn raise_memlock_limit() {
+    let unlimited = libc::rlimit {
+        rlim_cur: libc::RLIM_INFINITY,
+        rlim_max: libc::RLIM_INFINITY,
+    };
+    // SAFETY: setrlimit reads one rlimit struct.
+    if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &unlimited) } != 0 {
+        debug!("could not raise RLIMIT_MEMLOCK: {}", io::Error::last_os_error());
+    }
+}

@@ -1,0 +1,10 @@
+//! waypoint: an eBPF-accelerated per-node east-west waypoint for multi-cluster
+//! service-mesh traffic. See docs/ARCHITECTURE.md for how the pieces fit.
+#![deny(rust_2018_idioms)]
+
+pub mod admin;
+pub mod app;
+pub mod config;
+pub mod dataplane;
+pub mod metrics;
+pub mod telemetry;

@@ -1,0 +1,30 @@
+//! The `waypoint` daemon and its tools.
+use clap::{Parser, Subcommand};
+
+/// waypoint: a per-node east-west waypoint for multi-cluster service-mesh traffic.
+///
+/// Every node runs one. It accepts connections on the node's tunnel port, reads the
+/// cleartext TLS ClientHello (it never decrypts), routes on the SNI to a local pod's
+/// :15008, and then moves the bytes in the kernel (eBPF SockHash redirect) or, without
+/// eBPF, with splice(2).
+#[derive(Debug, Parser)]
+#[command(version, about, long_about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the daemon.
+    Run(waypoint::config::Config),
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    waypoint::telemetry::init();
+    let runtime = tokio::runtime::Runtime::new()?;
+    match cli.command {
+        Command::Run(config) => runtime.block_on(waypoint::app::run(config)),
+    }
+}

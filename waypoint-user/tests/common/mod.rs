@@ -1,0 +1,137 @@
+//! Test harness: a router stand-in that accepts on one port, dials an upstream and hands
+//! both sockets to a dataplane, so tests can drive real TCP through each dataplane.
+#![allow(
+    dead_code,
+    reason = "each test binary uses a different part of the harness"
+)]
+
+use std::{net::SocketAddr, sync::Arc, sync::OnceLock};
+
+use tokio::{
+    net::{TcpListener, TcpStream},
+    sync::mpsc,
+};
+use waypoint::dataplane::{copy::Copy, ebpf, splice::Splice, Dataplane, Kind, Limits, Outcome};
+
+/// The eBPF dataplane is loaded once per test binary: loading is ~60 ms and every test
+/// may share the maps (each connection has its own entries).
+pub fn ebpf() -> Arc<Dataplane> {
+    static DP: OnceLock<Arc<Dataplane>> = OnceLock::new();
+    DP.get_or_init(|| {
+        require_root();
+        let dp = ebpf::Ebpf::load(ebpf::Config::default())
+            .expect("eBPF dataplane must load: tests run as root on a sockmap kernel");
+        Arc::new(Dataplane::Ebpf(dp))
+    })
+    .clone()
+}
+
+pub fn dataplane(kind: Kind) -> Arc<Dataplane> {
+    match kind {
+        Kind::Ebpf => ebpf(),
+        Kind::Splice => Arc::new(Dataplane::Splice(Splice::default())),
+        Kind::Copy => Arc::new(Dataplane::Copy(Copy)),
+        Kind::Auto => unreachable!("tests name a concrete dataplane"),
+    }
+}
+
+pub const ALL: [Kind; 3] = [Kind::Ebpf, Kind::Splice, Kind::Copy];
+
+/// A forwarding proxy: accepts on `addr`, reads `initial_len` bytes from the downstream
+/// (standing in for the ClientHello), dials `upstream`, and forwards with `dp`. Every
+/// connection's outcome is sent on the returned channel.
+pub struct Proxy {
+    pub addr: SocketAddr,
+    pub outcomes: mpsc::UnboundedReceiver<Outcome>,
+}
+
+pub async fn proxy(
+    dp: Arc<Dataplane>,
+    upstream: SocketAddr,
+    initial_len: usize,
+    limits: Limits,
+) -> Proxy {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (tx, rx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        loop {
+            let Ok((down, _)) = listener.accept().await else {
+                return;
+            };
+            let dp = dp.clone();
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let mut initial = vec![0u8; initial_len];
+                if initial_len > 0 {
+                    use tokio::io::AsyncReadExt as _;
+                    let mut down = down;
+                    down.read_exact(&mut initial).await.unwrap();
+                    let up = TcpStream::connect(upstream).await.unwrap();
+                    up.set_nodelay(true).unwrap();
+                    down.set_nodelay(true).unwrap();
+                    let out = dp.forward(down, up, &initial, limits).await.unwrap();
+                    let _ = tx.send(out);
+                } else {
+                    let up = TcpStream::connect(upstream).await.unwrap();
+                    up.set_nodelay(true).unwrap();
+                    down.set_nodelay(true).unwrap();
+                    let out = dp.forward(down, up, &[], limits).await.unwrap();
+                    let _ = tx.send(out);
+                }
+            });
+        }
+    });
+    Proxy { addr, outcomes: rx }
+}
+
+/// Deterministic test data: byte `pos` of stream `seed`, computable at any offset so
+/// that a reader can check arbitrary chunks without buffering the whole stream.
+pub fn pattern_fill(seed: u64, offset: u64, buf: &mut [u8]) {
+    let mut k = 0;
+    while k < buf.len() {
+        let pos = offset + k as u64;
+        let word = splitmix64(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (pos / 8)).to_le_bytes();
+        let start = (pos % 8) as usize;
+        let n = (8 - start).min(buf.len() - k);
+        buf[k..k + n].copy_from_slice(&word[start..start + n]);
+        k += n;
+    }
+}
+
+/// Checks `buf` against stream `seed` at `offset`: None if it matches, else the stream
+/// offset of the first wrong byte.
+pub fn pattern_mismatch(seed: u64, offset: u64, buf: &[u8]) -> Option<u64> {
+    let mut want = vec![0u8; buf.len()];
+    pattern_fill(seed, offset, &mut want);
+    buf.iter()
+        .zip(&want)
+        .position(|(a, b)| a != b)
+        .map(|i| offset + i as u64)
+}
+
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Waits for the next outcome, failing (instead of hanging) if none comes within `within`.
+pub async fn next_outcome(proxy: &mut Proxy, within: std::time::Duration) -> Outcome {
+    tokio::time::timeout(within, proxy.outcomes.recv())
+        .await
+        .unwrap_or_else(|_| panic!("no outcome from the proxy within {within:?}"))
+        .expect("the proxy's outcome channel closed (a forwarding task panicked?)")
+}
+
+/// Tests of the eBPF dataplane need root (CAP_BPF + CAP_NET_ADMIN); CI runs them as root.
+/// They must never be skipped: fail loudly instead.
+pub fn require_root() {
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(
+        euid, 0,
+        "these tests need root (eBPF); they are not skipped when run unprivileged"
+    );
+}

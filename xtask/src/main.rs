@@ -1,0 +1,136 @@
+//! Developer tasks. Run as `cargo xtask <task>`; `cargo xtask --help` lists them.
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{bail, Context as _};
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(about = "waypoint developer tasks")]
+struct Cli {
+    #[command(subcommand)]
+    task: Task,
+}
+
+#[derive(Debug, Subcommand)]
+enum Task {
+    /// Build the eBPF object into target/ebpf/waypoint (the daemon build embeds the same
+    /// object through its build script; this is for inspection, e.g. with bpftool).
+    BuildEbpf,
+    /// Run the whole test suite: fmt check, clippy, unit, integration (root: eBPF,
+    /// network namespaces) and a bounded fuzz run. This is what CI runs.
+    Test {
+        /// Skip fmt and clippy.
+        #[arg(long)]
+        no_lint: bool,
+    },
+    /// Run a benchmark and print its figures.
+    Bench {
+        #[command(subcommand)]
+        which: Bench,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum Bench {
+    /// Direct TCP vs the ebpf, splice and copy dataplanes: Gbit/s (1 and 8 streams),
+    /// ping-pong p50/p99 µs, machine-wide CPU seconds per GB.
+    Dataplane {
+        /// Shorter runs, for a smoke test.
+        #[arg(long)]
+        quick: bool,
+        /// Also write the raw figures as JSON to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+}
+
+fn root() -> anyhow::Result<PathBuf> {
+    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    Ok(manifest
+        .parent()
+        .context("xtask has no parent directory")?
+        .to_path_buf())
+}
+
+fn run(cmd: &mut Command) -> anyhow::Result<()> {
+    eprintln!("+ {cmd:?}");
+    let status = cmd.status().with_context(|| format!("spawning {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed: {status}");
+    }
+    Ok(())
+}
+
+fn cargo(root: &Path) -> Command {
+    let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()));
+    c.current_dir(root);
+    c
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let root = root()?;
+    match cli.task {
+        Task::BuildEbpf => build_ebpf(&root),
+        Task::Test { no_lint } => test(&root, no_lint),
+        Task::Bench {
+            which: Bench::Dataplane { quick, json },
+        } => {
+            let mut c = cargo(&root);
+            c.args(["bench", "-p", "waypoint-user", "--bench", "dataplane", "--"]);
+            if quick {
+                c.arg("--quick");
+            }
+            if let Some(j) = json {
+                c.arg("--json").arg(j);
+            }
+            run(&mut c)
+        }
+    }
+}
+
+fn build_ebpf(root: &Path) -> anyhow::Result<()> {
+    let toolchain =
+        std::env::var("WAYPOINT_EBPF_TOOLCHAIN").unwrap_or_else(|_| "debian-web".to_owned());
+    let target_dir = root.join("target/ebpf-build");
+    run(Command::new("rustup")
+        .current_dir(root)
+        .args(["run", &toolchain, "cargo", "build", "--package", "waypoint-ebpf"])
+        .args(["--release", "--target", "bpfel-unknown-none", "-Z", "build-std=core"])
+        .arg("--target-dir")
+        .arg(&target_dir)
+        .env("RUSTC_BOOTSTRAP", "1")
+        .env_remove("RUSTC")
+        .env_remove("RUSTC_WORKSPACE_WRAPPER")
+        .env(
+            "CARGO_ENCODED_RUSTFLAGS",
+            "--cfg=bpf_target_arch=\"x86_64\"\x1f-Cdebuginfo=2\x1f-Clink-arg=--btf",
+        ))?;
+    let built = target_dir.join("bpfel-unknown-none/release/waypoint");
+    let out = root.join("target/ebpf/waypoint");
+    std::fs::create_dir_all(out.parent().context("no parent")?)?;
+    std::fs::copy(&built, &out)
+        .with_context(|| format!("copying {} to {}", built.display(), out.display()))?;
+    eprintln!("eBPF object: {}", out.display());
+    Ok(())
+}
+
+fn test(root: &Path, no_lint: bool) -> anyhow::Result<()> {
+    // The integration tier needs root (eBPF, network namespaces): fail loudly rather
+    // than skip.
+    let uid = Command::new("id").arg("-u").output().context("running id -u")?;
+    if String::from_utf8_lossy(&uid.stdout).trim() != "0" {
+        bail!("the test suite needs root (eBPF and network namespaces); run it with sudo");
+    }
+    if !no_lint {
+        run(cargo(root).args(["fmt", "--all", "--", "--check"]))?;
+        run(cargo(root).args(["clippy", "--all-targets", "--", "-D", "warnings"]))?;
+    }
+    // Release: the dataplane tests move gigabytes; debug builds make them needlessly slow.
+    run(cargo(root).args(["test", "--release"]))?;
+    Ok(())
+}
