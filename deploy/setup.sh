@@ -69,6 +69,18 @@ else
   log "rustup toolchain debian-web present"
 fi
 
+# cargo-fuzz for the bounded fuzz run in the test suite (runs on the rustup nightly
+# toolchain that the machine image carries).
+if ! command -v cargo-fuzz >/dev/null; then
+  log "installing cargo-fuzz"
+  cargo install cargo-fuzz --version 0.13.2 --locked
+else
+  log "cargo-fuzz present"
+fi
+if ! rustup run nightly rustc --version >/dev/null 2>&1; then
+  log "WARNING: no rustup nightly toolchain: the fuzz run in 'cargo xtask test' will fail"
+fi
+
 # bpffs is only needed for pinning; mounting it is harmless and the DaemonSet does the same.
 if ! mountpoint -q /sys/fs/bpf 2>/dev/null; then
   mount -t bpf bpf /sys/fs/bpf 2>/dev/null || log "could not mount bpffs (not needed unless pinning)"

@@ -8,7 +8,9 @@ fn main() -> anyhow::Result<()> {
     let manifest = std::path::PathBuf::from(
         std::env::var("CARGO_MANIFEST_DIR").context("CARGO_MANIFEST_DIR not set")?,
     );
-    let root = manifest.parent().context("waypoint-user has no parent directory")?;
+    let root = manifest
+        .parent()
+        .context("waypoint-user has no parent directory")?;
     let ebpf_dir = root.join("waypoint-ebpf");
     let common_dir = root.join("waypoint-common");
     println!("cargo:rerun-if-changed={}", common_dir.display());

@@ -74,8 +74,8 @@ pub enum Stat {
     PassedUnknown = 3,
     /// Segments passed because the peer was missing from the SockHash.
     PassedNoPeer = 4,
-    /// Zero-length segments (a bare FIN) passed, never redirected.
-    PassedEmpty = 5,
+    /// Zero-length segments (a bare FIN) dropped: they carry no byte.
+    DroppedEmpty = 5,
 }
 
 /// Number of entries in the statistics array.
@@ -89,7 +89,7 @@ impl Stat {
         Stat::PassedBudget,
         Stat::PassedUnknown,
         Stat::PassedNoPeer,
-        Stat::PassedEmpty,
+        Stat::DroppedEmpty,
     ];
 
     /// A short label for metrics.
@@ -100,7 +100,7 @@ impl Stat {
             Stat::PassedBudget => "passed_budget",
             Stat::PassedUnknown => "passed_unknown",
             Stat::PassedNoPeer => "passed_no_peer",
-            Stat::PassedEmpty => "passed_empty",
+            Stat::DroppedEmpty => "dropped_empty",
         }
     }
 }

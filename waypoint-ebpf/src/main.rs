@@ -12,7 +12,7 @@
 #![no_main]
 
 use aya_ebpf::{
-    bindings::sk_action::SK_PASS,
+    bindings::sk_action::{SK_DROP, SK_PASS},
     helpers::bpf_get_socket_cookie,
     macros::{map, stream_verdict},
     maps::{HashMap, PerCpuArray, SockHash},
@@ -49,12 +49,14 @@ fn count(stat: Stat) {
 #[inline(always)]
 fn verdict(ctx: &SkBuffContext) -> u32 {
     let len = u64::from(ctx.len());
-    // A bare FIN arrives as an empty segment. Redirecting it can make the peer's recv()
-    // fail with EPIPE; left here, it lets the daemon see EOF and shut the peer down only
-    // once every byte before it has reached the peer's TCP.
+    // A bare FIN arrives as an empty segment. It carries no byte: TCP has already
+    // marked the socket shut for reading, which is how the daemon sees EOF. Redirecting
+    // it breaks the peer's pipe (EPIPE), and passing it is no better: when the socket's
+    // psock backlog is busy the kernel queues it there, and an empty segment ends that
+    // backlog with a "hard error" that disables the socket's egress for good. So drop it.
     if len == 0 {
-        count(Stat::PassedEmpty);
-        return SK_PASS;
+        count(Stat::DroppedEmpty);
+        return SK_DROP;
     }
     // SAFETY: the skb pointer is the program's context, valid for the whole invocation.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.skb.skb.cast()) };

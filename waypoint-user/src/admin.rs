@@ -70,7 +70,12 @@ impl Admin {
     }
 
     /// Serves until `stop` is cancelled.
-    pub async fn serve(self, metrics: Arc<Metrics>, ready: Arc<Readiness>, stop: CancellationToken) {
+    pub async fn serve(
+        self,
+        metrics: Arc<Metrics>,
+        ready: Arc<Readiness>,
+        stop: CancellationToken,
+    ) {
         if let Ok(addr) = self.listener.local_addr() {
             info!(%addr, "admin server listening");
         }

@@ -1,10 +1,10 @@
-//! Wires the daemon together: chooses the dataplane, starts the admin server, and waits
-//! for termination.
+//! Wires the daemon together: chooses the dataplane, loads the endpoint store, binds the
+//! tunnel listener and the admin server, and on SIGTERM drains.
 
 use std::sync::Arc;
 
 use anyhow::Context as _;
-use tokio_util::sync::CancellationToken;
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::{info, warn};
 
 use crate::{
@@ -12,6 +12,10 @@ use crate::{
     config::Config,
     dataplane::{copy::Copy, ebpf::Ebpf, splice::Splice, Dataplane, Kind},
     metrics::Metrics,
+    registry,
+    router::{self, Router},
+    sni,
+    store::{Snapshot, Store},
 };
 
 /// Builds the dataplane the config asks for. `auto` falls back to splice, with the reason
@@ -19,43 +23,138 @@ use crate::{
 pub fn choose_dataplane(config: &Config) -> anyhow::Result<Dataplane> {
     let splice = || Splice::new(usize::try_from(config.pipe_size).unwrap_or(usize::MAX));
     let dp = match config.dataplane {
-        Kind::Ebpf => Dataplane::Ebpf(
+        Kind::Ebpf => Dataplane::Ebpf(Box::new(
             Ebpf::load(config.ebpf()).context("--dataplane=ebpf was asked for")?,
-        ),
+        )),
         Kind::Splice => Dataplane::Splice(splice()),
         Kind::Copy => Dataplane::Copy(Copy),
         Kind::Auto => match Ebpf::load(config.ebpf()) {
-            Ok(e) => Dataplane::Ebpf(e),
+            Ok(e) => Dataplane::Ebpf(Box::new(e)),
             Err(e) => {
                 warn!(error = %e, "eBPF dataplane unavailable; falling back to splice");
                 Dataplane::Splice(splice())
             }
         },
     };
-    info!(dataplane = dp.kind().as_str(), requested = config.dataplane.as_str(), "dataplane chosen");
+    info!(
+        dataplane = dp.kind().as_str(),
+        requested = config.dataplane.as_str(),
+        "dataplane chosen"
+    );
     Ok(dp)
 }
 
-/// Runs the daemon until SIGTERM or SIGINT.
+/// A running daemon: what tests and `run` hold on to.
+pub struct App {
+    /// The endpoint store.
+    pub store: Store,
+    /// The router.
+    pub router: Arc<Router>,
+    /// Readiness, as served on /readyz.
+    pub ready: Arc<Readiness>,
+    /// The tunnel listener's address.
+    pub tunnel_addr: std::net::SocketAddr,
+    /// The admin server's address.
+    pub admin_addr: std::net::SocketAddr,
+    config: Config,
+    stop: CancellationToken,
+    kill: CancellationToken,
+    tracker: TaskTracker,
+}
+
+impl App {
+    /// Starts everything; returns once the listener is bound and the daemon is ready.
+    pub async fn start(config: Config) -> anyhow::Result<App> {
+        info!(?config, "starting");
+        sni::validate_mesh_domain(&config.mesh_domain)
+            .map_err(|e| anyhow::anyhow!("--mesh-domain {:?}: {e}", config.mesh_domain))?;
+        let dataplane = Arc::new(choose_dataplane(&config)?);
+        let mut metrics = Metrics::new(dataplane.clone());
+        let router_metrics = router::Metrics::new(metrics.registry_mut());
+        let metrics = Arc::new(metrics);
+        let ready = Arc::new(Readiness::default());
+        let stop = CancellationToken::new();
+        let kill = CancellationToken::new();
+        let tracker = TaskTracker::new();
+
+        let store = Store::new();
+        match &config.registry {
+            Some(registry::Location::File(path)) => {
+                registry::file::run(path.clone(), store.clone(), stop.clone()).await?;
+            }
+            None => {
+                warn!("no --registry: the endpoint store is empty and every connection will be rejected");
+                store.replace(Snapshot::new([], true));
+            }
+        }
+
+        let listener = router::bind(config.tunnel_addr)?;
+        let tunnel_addr = listener.local_addr()?;
+        let router = Arc::new(Router::new(
+            config.router(),
+            store.clone(),
+            dataplane,
+            router_metrics,
+        ));
+        tokio::spawn(
+            router
+                .clone()
+                .serve(listener, stop.clone(), kill.clone(), tracker.clone()),
+        );
+
+        let admin = Admin::bind(config.admin_addr).await?;
+        let admin_addr = admin.local_addr()?;
+        // The admin server outlives the drain (metrics stay scrapable); it stops on kill.
+        tokio::spawn(admin.serve(metrics, ready.clone(), kill.clone()));
+
+        // Ready: listener bound, dataplane chosen, store synced.
+        if store.is_synced() {
+            ready.set(true);
+            info!(%tunnel_addr, %admin_addr, "ready");
+        }
+        Ok(App {
+            store,
+            router,
+            ready,
+            tunnel_addr,
+            admin_addr,
+            config,
+            stop,
+            kill,
+            tracker,
+        })
+    }
+
+    /// Drains: not ready, stop accepting, let established connections finish until the
+    /// drain deadline, then close the rest.
+    pub async fn shutdown(self) {
+        info!(
+            active = self.router.active(),
+            "draining: not ready, no longer accepting"
+        );
+        self.ready.set(false);
+        self.stop.cancel();
+        self.tracker.close();
+        if tokio::time::timeout(self.config.drain_timeout, self.tracker.wait())
+            .await
+            .is_err()
+        {
+            info!(
+                active = self.router.active(),
+                "drain deadline reached: closing the remaining connections"
+            );
+        }
+        self.kill.cancel();
+        self.tracker.wait().await;
+        info!("stopped");
+    }
+}
+
+/// Runs the daemon until SIGTERM or SIGINT, then drains.
 pub async fn run(config: Config) -> anyhow::Result<()> {
-    info!(?config, "starting");
-    let dataplane = Arc::new(choose_dataplane(&config)?);
-    let metrics = Arc::new(Metrics::new(dataplane.clone()));
-    let ready = Arc::new(Readiness::default());
-    let stop = CancellationToken::new();
-
-    let admin = Admin::bind(config.admin_addr).await?;
-    let admin_task = tokio::spawn(admin.serve(metrics, ready.clone(), stop.clone()));
-
-    // The tunnel listener and router arrive with the router; until then the daemon is
-    // ready once its dataplane is chosen.
-    ready.set(true);
-
+    let app = App::start(config).await?;
     wait_for_signal().await?;
-    info!("terminating: not ready");
-    ready.set(false);
-    stop.cancel();
-    let _ = admin_task.await;
+    app.shutdown().await;
     Ok(())
 }
 

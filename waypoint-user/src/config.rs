@@ -4,7 +4,7 @@
 
 use std::{net::SocketAddr, time::Duration};
 
-use crate::dataplane;
+use crate::{dataplane, registry, router};
 
 /// Parses durations such as `30s`, `500ms`, `2m`, `1h`, or a bare number of seconds.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -21,9 +21,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         "s" => Ok(Duration::from_secs(n)),
         "m" => Ok(Duration::from_secs(n * 60)),
         "h" => Ok(Duration::from_secs(n * 3600)),
-        _ => Err(format!(
-            "invalid duration unit in {s:?}: use ms, s, m or h"
-        )),
+        _ => Err(format!("invalid duration unit in {s:?}: use ms, s, m or h")),
     }
 }
 
@@ -51,6 +49,76 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
 /// Settings of the `waypoint run` daemon.
 #[derive(Clone, Debug, clap::Args)]
 pub struct Config {
+    /// Address of the tunnel listener: where other clusters' sources connect. On a node,
+    /// `<node_ip>:<tunnel-port>` (the daemon runs in the host network).
+    #[arg(long, env = "WAYPOINT_TUNNEL_ADDR", default_value = "0.0.0.0:15443")]
+    pub tunnel_addr: SocketAddr,
+
+    /// Name of this node's cluster. Only this cluster's pods are ever routed to.
+    #[arg(long, env = "WAYPOINT_CLUSTER", default_value = "local")]
+    pub cluster: String,
+
+    /// Name of this node (from the downward API in Kubernetes). Pods on this node are
+    /// preferred.
+    #[arg(long, env = "WAYPOINT_NODE_NAME", default_value = "local")]
+    pub node_name: String,
+
+    /// The mesh domain: a routable SNI is `<port>.<svc>.<ns>.<mesh-domain>`.
+    #[arg(long, env = "WAYPOINT_MESH_DOMAIN", default_value = "mesh.local")]
+    pub mesh_domain: String,
+
+    /// Where endpoints come from: `file:PATH` (a JSON document, re-read when it changes).
+    /// Without it the store is empty and every connection is rejected.
+    #[arg(long, env = "WAYPOINT_REGISTRY")]
+    pub registry: Option<registry::Location>,
+
+    /// Route to services that are not marked exported. For labs only: in production a
+    /// service is reachable from other clusters only when exported.
+    #[arg(long, env = "WAYPOINT_EXPORT_ALL")]
+    pub export_all: bool,
+
+    /// Which pods of this cluster a connection may go to: `node` (this node's only) or
+    /// `cluster` (this node's first, other nodes' when none is ready here).
+    #[arg(
+        long,
+        env = "WAYPOINT_ROUTE_SCOPE",
+        value_enum,
+        default_value = "cluster"
+    )]
+    pub route_scope: router::Scope,
+
+    /// The pods' inbound port: the only port the waypoint dials.
+    #[arg(long, env = "WAYPOINT_POD_PORT", default_value_t = 15008)]
+    pub pod_port: u16,
+
+    /// Deadline for a client to send its whole ClientHello.
+    #[arg(long, env = "WAYPOINT_HELLO_TIMEOUT", value_parser = parse_duration, default_value = "5s")]
+    pub hello_timeout: Duration,
+
+    /// Largest ClientHello accepted (Envoy's tls_inspector allows 64 KiB too).
+    #[arg(long, env = "WAYPOINT_MAX_HELLO_BYTES", value_parser = parse_bytes, default_value = "64KiB")]
+    pub max_hello_bytes: u64,
+
+    /// Deadline for one connect to a pod.
+    #[arg(long, env = "WAYPOINT_CONNECT_TIMEOUT", value_parser = parse_duration, default_value = "1s")]
+    pub connect_timeout: Duration,
+
+    /// Connect attempts per connection, each to a different pod.
+    #[arg(long, env = "WAYPOINT_CONNECT_ATTEMPTS", default_value_t = 3)]
+    pub connect_attempts: u32,
+
+    /// Open connections (routed and pending) beyond which new ones are refused.
+    #[arg(long, env = "WAYPOINT_MAX_CONNECTIONS", default_value_t = 100_000)]
+    pub max_connections: usize,
+
+    /// Connections still sending their hello beyond which new ones are refused.
+    #[arg(long, env = "WAYPOINT_MAX_PENDING_HANDSHAKES", default_value_t = 4096)]
+    pub max_pending_handshakes: usize,
+
+    /// On SIGTERM, how long established connections may drain before they are closed.
+    #[arg(long, env = "WAYPOINT_DRAIN_TIMEOUT", value_parser = parse_duration, default_value = "30s")]
+    pub drain_timeout: Duration,
+
     /// Which dataplane moves the bytes of routed connections: `ebpf` (in-kernel
     /// SockHash redirect; needs CAP_BPF and CAP_NET_ADMIN), `splice` (splice(2) through
     /// pipes), `copy` (userspace copy), or `auto` (ebpf if it loads, else splice).
@@ -100,11 +168,34 @@ impl Config {
         }
     }
 
+    /// The router's settings.
+    pub fn router(&self) -> router::Config {
+        router::Config {
+            mesh_domain: self.mesh_domain.clone(),
+            pod_port: self.pod_port,
+            hello_timeout: self.hello_timeout,
+            max_hello_bytes: usize::try_from(self.max_hello_bytes).unwrap_or(usize::MAX),
+            connect_timeout: self.connect_timeout,
+            connect_attempts: self.connect_attempts,
+            max_connections: self.max_connections,
+            max_pending_handshakes: self.max_pending_handshakes,
+            policy: router::Policy {
+                cluster: self.cluster.clone(),
+                node: self.node_name.clone(),
+                scope: self.route_scope,
+                export_all: self.export_all,
+            },
+            limits: self.limits(),
+        }
+    }
+
     /// The eBPF dataplane's settings.
     pub fn ebpf(&self) -> dataplane::ebpf::Config {
         dataplane::ebpf::Config {
             max_inflight: self.max_inflight,
-            socket_buffer: self.socket_buffer.map(|b| usize::try_from(b).unwrap_or(usize::MAX)),
+            socket_buffer: self
+                .socket_buffer
+                .map(|b| usize::try_from(b).unwrap_or(usize::MAX)),
             max_sockets: self.max_sockets,
         }
     }

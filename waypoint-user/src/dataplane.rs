@@ -123,7 +123,7 @@ pub enum Error {
 /// The dataplane chosen at start.
 pub enum Dataplane {
     /// See [`ebpf`].
-    Ebpf(ebpf::Ebpf),
+    Ebpf(Box<ebpf::Ebpf>),
     /// See [`splice`].
     Splice(splice::Splice),
     /// See [`copy`].
@@ -176,7 +176,9 @@ pub(crate) enum DirEnd {
 fn is_reset(e: &io::Error) -> bool {
     matches!(
         e.kind(),
-        io::ErrorKind::ConnectionReset | io::ErrorKind::ConnectionAborted | io::ErrorKind::BrokenPipe
+        io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::BrokenPipe
     )
 }
 
@@ -294,4 +296,3 @@ where
         }
     }
 }
-

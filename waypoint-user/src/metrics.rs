@@ -60,6 +60,11 @@ impl Metrics {
         }
     }
 
+    /// The registry, for subsystems to register their own metrics.
+    pub fn registry_mut(&mut self) -> &mut Registry {
+        &mut self.registry
+    }
+
     /// Renders the OpenMetrics text exposition.
     pub fn render(&self) -> String {
         if let Dataplane::Ebpf(e) = &*self.dataplane {

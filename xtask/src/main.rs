@@ -99,8 +99,21 @@ fn build_ebpf(root: &Path) -> anyhow::Result<()> {
     let target_dir = root.join("target/ebpf-build");
     run(Command::new("rustup")
         .current_dir(root)
-        .args(["run", &toolchain, "cargo", "build", "--package", "waypoint-ebpf"])
-        .args(["--release", "--target", "bpfel-unknown-none", "-Z", "build-std=core"])
+        .args([
+            "run",
+            &toolchain,
+            "cargo",
+            "build",
+            "--package",
+            "waypoint-ebpf",
+        ])
+        .args([
+            "--release",
+            "--target",
+            "bpfel-unknown-none",
+            "-Z",
+            "build-std=core",
+        ])
         .arg("--target-dir")
         .arg(&target_dir)
         .env("RUSTC_BOOTSTRAP", "1")
@@ -122,7 +135,10 @@ fn build_ebpf(root: &Path) -> anyhow::Result<()> {
 fn test(root: &Path, no_lint: bool) -> anyhow::Result<()> {
     // The integration tier needs root (eBPF, network namespaces): fail loudly rather
     // than skip.
-    let uid = Command::new("id").arg("-u").output().context("running id -u")?;
+    let uid = Command::new("id")
+        .arg("-u")
+        .output()
+        .context("running id -u")?;
     if String::from_utf8_lossy(&uid.stdout).trim() != "0" {
         bail!("the test suite needs root (eBPF and network namespaces); run it with sudo");
     }

@@ -35,7 +35,7 @@ use aya::{
     Ebpf as Loaded, EbpfLoader,
 };
 use tokio::net::TcpStream;
-use tracing::{debug, info};
+use tracing::{debug, info, trace};
 use waypoint_common::{
     FlowBudget, FlowCounters, Stat, BUDGETS_MAP, COUNTERS_MAP, PEERS_MAP, STATS_MAP, VERDICT_PROG,
 };
@@ -105,7 +105,7 @@ pub enum Error {
         reason: String,
     },
     /// A map operation for one connection failed (e.g. the maps are full).
-    #[error("eBPF map update failed: {0}")]
+    #[error("eBPF map update failed: {}", map_error_chain(.0))]
     Update(#[from] aya::maps::MapError),
     /// A socket option failed.
     #[error("socket setup: {0}")]
@@ -130,8 +130,18 @@ pub struct Ebpf {
     counters: Mutex<HashMap<MapData, u64, FlowCounters>>,
     budgets: Mutex<HashMap<MapData, u64, FlowBudget>>,
     stats: PerCpuArray<MapData, u64>,
+    fallbacks: AtomicU64,
     // Owns the program and its attachment to the SockHash.
     _loaded: Loaded,
+}
+
+/// aya's map errors keep the errno in their source; show it.
+fn map_error_chain(e: &aya::maps::MapError) -> String {
+    use std::error::Error as _;
+    match e.source() {
+        Some(src) => format!("{e}: {src}"),
+        None => e.to_string(),
+    }
 }
 
 fn map_error(name: &'static str, reason: impl ToString) -> Error {
@@ -191,6 +201,7 @@ impl Ebpf {
             counters: Mutex::new(counters),
             budgets: Mutex::new(budgets),
             stats,
+            fallbacks: AtomicU64::new(0),
             _loaded: loaded,
         })
     }
@@ -248,6 +259,16 @@ impl Ebpf {
         drain_queued(&downstream, &mut down_initial)?;
         let mut up_initial = Vec::new();
         drain_queued(&upstream, &mut up_initial)?;
+        // The kernel only accepts established TCP sockets in a SockHash. A client that
+        // sent its FIN right behind the hello (or a pod that already closed) is served by
+        // the userspace copy instead: same semantics, slower.
+        if !(is_established(&downstream)? && is_established(&upstream)?) {
+            self.fallbacks.fetch_add(1, Relaxed);
+            debug!("socket not established: forwarding in userspace");
+            return self
+                .forward_in_userspace(downstream, upstream, &down_initial, &up_initial, limits)
+                .await;
+        }
         let reg = Registration::new(self, (down, &downstream), (up, &upstream))?;
         // Nothing has been redirected yet (credit 0): these are the TCP baselines.
         let down_base = handed(&downstream)?.bytes;
@@ -262,6 +283,7 @@ impl Ebpf {
             dst: &upstream,
             dst_base: up_base,
             user_bytes: &d2u_user,
+            name: "d2u",
         };
         let u2d = Direction {
             dp: self,
@@ -270,8 +292,11 @@ impl Ebpf {
             dst: &downstream,
             dst_base: down_base,
             user_bytes: &u2d_user,
+            name: "u2d",
         };
-        let redirected = |c: u64| self.counters(c).redirected;
+        // Only read while the connection's entries exist; a failure reads as zero, which
+        // only understates the byte counts reported.
+        let redirected = |c: u64| self.counters(c).map(|v| v.redirected).unwrap_or(0);
         let end = drive(
             &downstream,
             &upstream,
@@ -290,12 +315,37 @@ impl Ebpf {
         Ok(outcome)
     }
 
+    async fn forward_in_userspace(
+        &self,
+        downstream: TcpStream,
+        upstream: TcpStream,
+        down_initial: &[u8],
+        up_initial: &[u8],
+        limits: Limits,
+    ) -> Result<Outcome, Error> {
+        // Bytes the pod sent before the switch go first, as they would have.
+        write_all(&downstream, up_initial).await?;
+        let mut outcome = super::copy::Copy
+            .forward(downstream, upstream, down_initial, limits)
+            .await?;
+        outcome.upstream_to_downstream += up_initial.len() as u64;
+        Ok(outcome)
+    }
+
+    /// Connections served by the userspace copy because a socket could not enter the
+    /// SockHash (already half-closed when routed).
+    pub fn fallbacks(&self) -> u64 {
+        self.fallbacks.load(Relaxed)
+    }
+
     fn set_budget(&self, cookie: u64, budget: FlowBudget) -> Result<(), aya::maps::MapError> {
         lock(&self.budgets).insert(cookie, budget, 0)
     }
 
-    fn counters(&self, cookie: u64) -> FlowCounters {
-        lock(&self.counters).get(&cookie, 0).unwrap_or_default()
+    fn counters(&self, cookie: u64) -> io::Result<FlowCounters> {
+        lock(&self.counters).get(&cookie, 0).map_err(|e| {
+            io::Error::other(format!("reading flow counters: {}", map_error_chain(&e)))
+        })
     }
 }
 
@@ -321,9 +371,16 @@ impl<'a> Registration<'a> {
             dp.set_budget(c, FlowBudget::default())?;
         }
         let mut peers = lock(&dp.peers);
-        // Each socket is stored under its peer's cookie.
-        peers.insert(a.0, b.1.as_fd(), 0)?;
+        // Each socket is stored under its peer's cookie. The downstream goes in first:
+        // if it fails nothing is attached yet.
         peers.insert(b.0, a.1.as_fd(), 0)?;
+        if let Err(e) = peers.insert(a.0, b.1.as_fd(), 0) {
+            // Removing the downstream now would discard what the verdict passed to its
+            // queue; fail the connection loudly (both sides see RST) instead.
+            super::abort_on_close(a.1);
+            super::abort_on_close(b.1);
+            return Err(e.into());
+        }
         Ok(reg)
     }
 }
@@ -352,6 +409,8 @@ struct Direction<'a> {
     dst_base: u64,
     /// Bytes userspace wrote to `dst` (initial bytes and passed segments).
     user_bytes: &'a AtomicU64,
+    /// "d2u" or "u2d", for traces.
+    name: &'static str,
 }
 
 impl Direction<'_> {
@@ -385,12 +444,13 @@ impl Direction<'_> {
                 r = self.src.readable() => {
                     r.map_err(classify_read_error)?;
                     if self.forward_passed(&mut buf, &mut budget).await? {
-                        return self.finish().await;
+                        return self.finish(&mut buf, &mut budget).await;
                     }
                     quiet_refreshes = 0;
                 }
                 _ = tokio::time::sleep(REFRESH_INTERVAL), if refreshing => {
                     let credit = self.credit()?;
+                    trace!(dir = self.name, credit, "credit refresh");
                     if credit != budget.credit {
                         budget.credit = credit;
                         self.publish(budget)?;
@@ -420,6 +480,12 @@ impl Direction<'_> {
             // The verdict passes everything from the first passed segment until
             // `consumed` catches up with `passed`, so `redirected` is frozen now. Let the
             // kernel hand every redirected byte to dst's TCP before writing after them.
+            trace!(
+                dir = self.name,
+                n,
+                consumed = budget.consumed,
+                "passed bytes read"
+            );
             if !synced {
                 self.wait_handed().await?;
                 synced = true;
@@ -435,8 +501,29 @@ impl Direction<'_> {
         Ok(false)
     }
 
-    /// EOF from src: once dst's TCP holds every byte, pass the FIN on.
-    async fn finish(&self) -> Result<DirEnd, DirEnd> {
+    /// EOF from src: forward what the verdict passed but userspace has not read yet, and
+    /// once dst's TCP holds every byte, pass the FIN on.
+    ///
+    /// recv() returns 0 as soon as the FIN is processed, but bytes the verdict passed
+    /// earlier can still sit in the psock's backlog queue behind segments redirected *to*
+    /// src (the kernel keeps one FIFO for both): EOF is only final once userspace has
+    /// consumed every passed byte.
+    async fn finish(&self, buf: &mut [u8], budget: &mut FlowBudget) -> Result<DirEnd, DirEnd> {
+        loop {
+            let passed = self
+                .dp
+                .counters(self.src_cookie)
+                .map_err(DirEnd::Error)?
+                .passed;
+            trace!(dir = self.name, passed, consumed = budget.consumed, "eof");
+            if budget.consumed >= passed {
+                break;
+            }
+            // The kworker moves them within microseconds; poll rather than rely on a
+            // wake-up, since EOF keeps the socket readable.
+            tokio::time::sleep(Duration::from_micros(200)).await;
+            self.forward_passed(buf, budget).await?;
+        }
         self.wait_handed().await?;
         shutdown_write(self.dst).map_err(classify_write_error)?;
         Ok(DirEnd::Eof)
@@ -445,12 +532,29 @@ impl Direction<'_> {
     /// Waits until dst's TCP has taken every redirected and userspace-written byte.
     /// Only valid while `redirected` cannot grow (after a pass or at EOF).
     async fn wait_handed(&self) -> Result<(), DirEnd> {
-        let target = self.dp.counters(self.src_cookie).redirected + self.user_bytes.load(Relaxed);
+        let redirected = self
+            .dp
+            .counters(self.src_cookie)
+            .map_err(DirEnd::Error)?
+            .redirected;
+        let target = redirected + self.user_bytes.load(Relaxed);
         let mut spins = 0u32;
         loop {
             let h = handed(self.dst).map_err(DirEnd::Error)?;
             if h.bytes.saturating_sub(self.dst_base) >= target {
+                trace!(dir = self.name, target, spins, "destination caught up");
                 return Ok(());
+            }
+            if spins % 1000 == 999 {
+                let err = socket2::SockRef::from(self.dst).take_error();
+                trace!(
+                    dir = self.name,
+                    target,
+                    handed = h.bytes - self.dst_base,
+                    ?err,
+                    state = h.state,
+                    "still waiting for the destination"
+                );
             }
             if h.closed {
                 // Reset or aborted: the parked bytes will never be sent.
@@ -490,27 +594,14 @@ struct Handed {
     bytes: u64,
     /// The socket is closed (reset or aborted).
     closed: bool,
+    state: u8,
 }
 
 fn handed(sock: &TcpStream) -> io::Result<Handed> {
     let fd = sock.as_raw_fd();
-    // SAFETY: tcp_info is plain old data; zeroed is a valid value.
-    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
-    // SAFETY: fd is an open socket owned by `sock`; info and len are valid for writes of
-    // the sizes given.
-    let rc = unsafe {
-        libc::getsockopt(
-            fd,
-            libc::IPPROTO_TCP,
-            libc::TCP_INFO,
-            (&raw mut info).cast(),
-            &mut len,
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    // TCP_INFO first, SIOCOUTQ second: acks between the two calls move bytes out of the
+    // queue after bytes_acked was read, so the sum can only understate.
+    let info = tcp_info(sock)?;
     let mut outq: libc::c_int = 0;
     // SAFETY: SIOCOUTQ (= TIOCOUTQ) writes one int through the pointer.
     let rc = unsafe { libc::ioctl(fd, libc::TIOCOUTQ, &mut outq) };
@@ -520,6 +611,7 @@ fn handed(sock: &TcpStream) -> io::Result<Handed> {
     Ok(Handed {
         bytes: info.tcpi_bytes_acked + u64::try_from(outq).unwrap_or(0),
         closed: info.tcpi_state == TCP_CLOSE,
+        state: info.tcpi_state,
     })
 }
 
@@ -535,6 +627,34 @@ fn drain_queued(sock: &TcpStream, buf: &mut Vec<u8>) -> io::Result<()> {
             Err(e) => return Err(e),
         }
     }
+}
+
+/// `TCP_ESTABLISHED` from include/net/tcp_states.h.
+const TCP_ESTABLISHED: u8 = 1;
+
+fn is_established(sock: &TcpStream) -> io::Result<bool> {
+    Ok(tcp_info(sock)?.tcpi_state == TCP_ESTABLISHED)
+}
+
+fn tcp_info(sock: &TcpStream) -> io::Result<libc::tcp_info> {
+    // SAFETY: tcp_info is plain old data; zeroed is a valid value.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: fd is an open socket owned by `sock`; info and len are valid for writes of
+    // the sizes given.
+    let rc = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&raw mut info).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(info)
 }
 
 fn cookie(sock: &TcpStream) -> io::Result<u64> {
@@ -585,6 +705,9 @@ fn raise_memlock_limit() {
     };
     // SAFETY: setrlimit reads one rlimit struct.
     if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &unlimited) } != 0 {
-        debug!("could not raise RLIMIT_MEMLOCK: {}", io::Error::last_os_error());
+        debug!(
+            "could not raise RLIMIT_MEMLOCK: {}",
+            io::Error::last_os_error()
+        );
     }
 }

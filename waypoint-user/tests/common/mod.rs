@@ -5,11 +5,14 @@
     reason = "each test binary uses a different part of the harness"
 )]
 
+pub mod daemon;
+pub mod hello;
+
 use std::{net::SocketAddr, sync::Arc, sync::OnceLock};
 
 use tokio::{
-    net::{TcpListener, TcpStream},
-    sync::mpsc,
+    net::TcpStream,
+    sync::{mpsc, Semaphore},
 };
 use waypoint::dataplane::{copy::Copy, ebpf, splice::Splice, Dataplane, Kind, Limits, Outcome};
 
@@ -21,7 +24,7 @@ pub fn ebpf() -> Arc<Dataplane> {
         require_root();
         let dp = ebpf::Ebpf::load(ebpf::Config::default())
             .expect("eBPF dataplane must load: tests run as root on a sockmap kernel");
-        Arc::new(Dataplane::Ebpf(dp))
+        Arc::new(Dataplane::Ebpf(Box::new(dp)))
     })
     .clone()
 }
@@ -51,34 +54,68 @@ pub async fn proxy(
     initial_len: usize,
     limits: Limits,
 ) -> Proxy {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    proxy_with_gate(dp, upstream, initial_len, limits, None).await
+}
+
+/// Like [`proxy`], but each connection waits for a permit of the returned semaphore
+/// (which starts with none) after reading the initial bytes and dialing the upstream,
+/// just before handing both sockets to the dataplane. Tests use it to have something
+/// (e.g. a FIN) already queued on a socket when the dataplane takes over.
+pub async fn proxy_gated(
+    dp: Arc<Dataplane>,
+    upstream: SocketAddr,
+    initial_len: usize,
+    limits: Limits,
+) -> (Proxy, Arc<Semaphore>) {
+    let gate = Arc::new(Semaphore::new(0));
+    let p = proxy_with_gate(dp, upstream, initial_len, limits, Some(gate.clone())).await;
+    (p, gate)
+}
+
+async fn proxy_with_gate(
+    dp: Arc<Dataplane>,
+    upstream: SocketAddr,
+    initial_len: usize,
+    limits: Limits,
+    gate: Option<Arc<Semaphore>>,
+) -> Proxy {
+    // A deep accept queue: with tokio's default (1024) a burst of 1,000 connections
+    // overflowed it, the kernel fell back to SYN cookies and reset some connections.
+    let listener = {
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        sock.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        sock.listen(4096).unwrap()
+    };
     let addr = listener.local_addr().unwrap();
     let (tx, rx) = mpsc::unbounded_channel();
     tokio::spawn(async move {
         loop {
-            let Ok((down, _)) = listener.accept().await else {
-                return;
-            };
+            // An accept error would silently stop the proxy and reset every connection
+            // still queued: say so instead.
+            let (mut down, _) = listener
+                .accept()
+                .await
+                .unwrap_or_else(|e| panic!("proxy accept failed: {e}"));
             let dp = dp.clone();
             let tx = tx.clone();
+            let gate = gate.clone();
             tokio::spawn(async move {
                 let mut initial = vec![0u8; initial_len];
                 if initial_len > 0 {
                     use tokio::io::AsyncReadExt as _;
-                    let mut down = down;
                     down.read_exact(&mut initial).await.unwrap();
-                    let up = TcpStream::connect(upstream).await.unwrap();
-                    up.set_nodelay(true).unwrap();
-                    down.set_nodelay(true).unwrap();
-                    let out = dp.forward(down, up, &initial, limits).await.unwrap();
-                    let _ = tx.send(out);
-                } else {
-                    let up = TcpStream::connect(upstream).await.unwrap();
-                    up.set_nodelay(true).unwrap();
-                    down.set_nodelay(true).unwrap();
-                    let out = dp.forward(down, up, &[], limits).await.unwrap();
-                    let _ = tx.send(out);
                 }
+                let up = TcpStream::connect(upstream).await.unwrap();
+                up.set_nodelay(true).unwrap();
+                down.set_nodelay(true).unwrap();
+                if let Some(gate) = gate {
+                    gate.acquire().await.unwrap().forget();
+                }
+                let out = dp
+                    .forward(down, up, &initial, limits)
+                    .await
+                    .unwrap_or_else(|e| panic!("{:?} forward failed: {e:?}", dp.kind()));
+                let _ = tx.send(out);
             });
         }
     });
@@ -134,4 +171,46 @@ pub fn require_root() {
         euid, 0,
         "these tests need root (eBPF); they are not skipped when run unprivileged"
     );
+}
+
+/// `TCP_FIN_WAIT2` from include/net/tcp_states.h: our FIN was sent and acknowledged.
+pub const TCP_FIN_WAIT2: u8 = 5;
+
+/// The TCP state of `sock` (TCP_INFO's tcpi_state).
+pub fn tcp_state(sock: &impl std::os::fd::AsRawFd) -> u8 {
+    // SAFETY: tcp_info is plain old data; zeroed is a valid value.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: the fd is an open socket; info and len are valid for writes of their sizes.
+    let rc = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&raw mut info).cast(),
+            &mut len,
+        )
+    };
+    assert_eq!(rc, 0, "TCP_INFO: {}", std::io::Error::last_os_error());
+    info.tcpi_state
+}
+
+/// Polls until `sock` is in TCP state `state`, failing after `within`.
+pub async fn wait_tcp_state(
+    sock: &impl std::os::fd::AsRawFd,
+    state: u8,
+    within: std::time::Duration,
+) {
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        let now = tcp_state(sock);
+        if now == state {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "socket still in TCP state {now}, not {state}, after {within:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
 }

@@ -1,0 +1,389 @@
+//! The tunnel listener: accepts connections on `<node_ip>:<tunnel-port>`, reads the
+//! cleartext ClientHello, routes on its structured SNI to a ready pod of an exported
+//! service in this cluster, dials the pod's `:15008`, and hands both sockets and the
+//! bytes read so far to the dataplane. It never terminates TLS and never rewrites a byte.
+//!
+//! Every connection that does not reach a pod is closed and counted under one reason
+//! (`waypoint_connections_rejected_total{reason}`), with rate-limited logs; a rejection
+//! only ever touches its own connection.
+
+pub mod metrics;
+pub mod route;
+
+use std::{
+    collections::HashMap,
+    net::SocketAddr,
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc, Mutex,
+    },
+    time::{Duration, Instant},
+};
+
+use bytes::BytesMut;
+use prometheus_client::metrics::gauge::Gauge;
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
+use tracing::{debug, info, warn, Instrument as _};
+
+use crate::{
+    dataplane::{Dataplane, Limits},
+    sni,
+    store::Store,
+};
+
+pub use metrics::Metrics;
+pub use route::{Balancer, NoRoute, Policy, Scope};
+
+/// Settings of the router (derived from [`crate::config::Config`]).
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// The mesh domain every routable SNI ends with.
+    pub mesh_domain: String,
+    /// The pods' inbound port: the only port ever dialed.
+    pub pod_port: u16,
+    /// Deadline for the whole ClientHello to arrive.
+    pub hello_timeout: Duration,
+    /// Largest ClientHello accepted, in bytes.
+    pub max_hello_bytes: usize,
+    /// Deadline for one upstream connect.
+    pub connect_timeout: Duration,
+    /// Upstream connect attempts per connection (each to a different pod).
+    pub connect_attempts: u32,
+    /// Routed plus pending connections beyond which new ones are refused.
+    pub max_connections: usize,
+    /// Connections still sending their hello beyond which new ones are refused.
+    pub max_pending_handshakes: usize,
+    /// Which pods this waypoint may route to.
+    pub policy: Policy,
+    /// Per-connection limits for the dataplane.
+    pub limits: Limits,
+}
+
+/// Errors starting the router.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The tunnel address could not be bound.
+    #[error("binding the tunnel listener on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// The cause.
+        source: std::io::Error,
+    },
+}
+
+/// Binds the tunnel listener with a deep accept backlog.
+pub fn bind(addr: SocketAddr) -> Result<TcpListener, Error> {
+    let bind = || -> std::io::Result<TcpListener> {
+        let socket = if addr.is_ipv4() {
+            TcpSocket::new_v4()?
+        } else {
+            TcpSocket::new_v6()?
+        };
+        socket.set_reuseaddr(true)?;
+        socket.bind(addr)?;
+        socket.listen(4096)
+    };
+    bind().map_err(|source| Error::Bind { addr, source })
+}
+
+/// Logs a rejection at most once per second per reason, with the number suppressed.
+#[derive(Debug, Default)]
+struct RateLimitedLog {
+    last: Mutex<HashMap<&'static str, (Instant, u64)>>,
+}
+
+impl RateLimitedLog {
+    fn log(&self, reason: &'static str, peer: SocketAddr, detail: &dyn std::fmt::Display) {
+        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        let now = Instant::now();
+        let entry = last
+            .entry(reason)
+            .or_insert((now - Duration::from_secs(2), 0));
+        if now.duration_since(entry.0) >= Duration::from_secs(1) {
+            let suppressed = entry.1;
+            *entry = (now, 0);
+            drop(last);
+            warn!(reason, %peer, suppressed, "rejected connection: {detail}");
+        } else {
+            entry.1 += 1;
+        }
+    }
+}
+
+/// Holds one unit of a counter (and its gauge); gives it back when dropped.
+struct Slot {
+    count: Arc<AtomicUsize>,
+    gauge: Gauge,
+}
+
+impl Slot {
+    fn take(count: &Arc<AtomicUsize>, gauge: &Gauge) -> Slot {
+        count.fetch_add(1, Ordering::SeqCst);
+        gauge.inc();
+        Slot {
+            count: count.clone(),
+            gauge: gauge.clone(),
+        }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.count.fetch_sub(1, Ordering::SeqCst);
+        self.gauge.dec();
+    }
+}
+
+/// Why a connection did not reach a pod.
+#[derive(Debug, thiserror::Error)]
+enum Reject {
+    #[error("client hello: {0}")]
+    Hello(#[from] sni::ReadHelloError),
+    #[error("client hello not complete within {0:?}")]
+    HelloTimeout(Duration),
+    #[error("sni {sni:?}: {source}")]
+    Sni { sni: String, source: sni::SniError },
+    #[error("{target}: {source}")]
+    NoRoute { target: String, source: NoRoute },
+    #[error("{target}: every connect attempt failed (last: {last})")]
+    Connect { target: String, last: String },
+}
+
+impl Reject {
+    fn reason(&self) -> &'static str {
+        match self {
+            Reject::Hello(sni::ReadHelloError::Eof { .. }) => "client_closed",
+            Reject::Hello(e) => e.reason(),
+            Reject::HelloTimeout(_) => "hello_timeout",
+            Reject::Sni { source, .. } => source.reason(),
+            Reject::NoRoute { source, .. } => source.reason(),
+            Reject::Connect { .. } => "upstream_connect_failed",
+        }
+    }
+}
+
+/// The router. Shared by every connection task.
+pub struct Router {
+    config: Config,
+    store: Store,
+    dataplane: Arc<Dataplane>,
+    balancer: Balancer,
+    metrics: Metrics,
+    log: RateLimitedLog,
+    active: Arc<AtomicUsize>,
+    pending: Arc<AtomicUsize>,
+}
+
+impl Router {
+    /// A router over `store`, forwarding with `dataplane`.
+    pub fn new(
+        config: Config,
+        store: Store,
+        dataplane: Arc<Dataplane>,
+        metrics: Metrics,
+    ) -> Router {
+        Router {
+            config,
+            store,
+            dataplane,
+            balancer: Balancer::default(),
+            metrics,
+            log: RateLimitedLog::default(),
+            active: Arc::default(),
+            pending: Arc::default(),
+        }
+    }
+
+    /// Routed connections open now.
+    pub fn active(&self) -> usize {
+        self.active.load(Ordering::SeqCst)
+    }
+
+    /// Accepts until `stop` is cancelled. Connection tasks run on `tracker`; cancelling
+    /// `kill` closes the ones still open (the end of a drain).
+    pub async fn serve(
+        self: Arc<Self>,
+        listener: TcpListener,
+        stop: CancellationToken,
+        kill: CancellationToken,
+        tracker: TaskTracker,
+    ) {
+        if let Ok(addr) = listener.local_addr() {
+            info!(%addr, dataplane = self.dataplane.kind().as_str(), "tunnel listener accepting");
+        }
+        let mut next_id: u64 = 0;
+        loop {
+            let (stream, peer) = tokio::select! {
+                _ = stop.cancelled() => break,
+                r = listener.accept() => match r {
+                    Ok(c) => c,
+                    Err(e) => {
+                        // EMFILE/ENFILE/ENOBUFS: the connection waits in the backlog;
+                        // back off briefly instead of spinning on the error.
+                        self.metrics.reject("accept_error");
+                        warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                        continue;
+                    }
+                },
+            };
+            let pending = self.pending.load(Ordering::SeqCst);
+            if pending >= self.config.max_pending_handshakes
+                || pending + self.active() >= self.config.max_connections
+            {
+                self.metrics.reject("overload");
+                self.log.log("overload", peer, &"connection limit reached");
+                drop(stream);
+                continue;
+            }
+            next_id += 1;
+            let span = tracing::info_span!("conn", id = next_id, %peer);
+            let router = self.clone();
+            let kill = kill.clone();
+            // Taken here, not in the task, so a burst of accepts cannot overshoot the
+            // limit before the tasks run.
+            let pending = Slot::take(&self.pending, &self.metrics.pending);
+            tracker.spawn(
+                async move {
+                    router.handle(stream, peer, pending, kill).await;
+                }
+                .instrument(span),
+            );
+        }
+        info!("tunnel listener stopped accepting");
+    }
+
+    async fn handle(
+        &self,
+        down: TcpStream,
+        peer: SocketAddr,
+        pending: Slot,
+        kill: CancellationToken,
+    ) {
+        let started = Instant::now();
+        let mut down = down;
+        let mut buf = BytesMut::with_capacity(2048);
+        let routed = tokio::select! {
+            r = self.route(&mut down, &mut buf) => r,
+            _ = kill.cancelled() => return,
+        };
+        // The lease counts this pod's connections for balancing until the end.
+        let (up, _lease) = match routed {
+            Ok(routed) => routed,
+            Err(reject) => {
+                let reason = reject.reason();
+                self.metrics.reject(reason);
+                self.log.log(reason, peer, &reject);
+                return;
+            }
+        };
+        drop(pending);
+        let _active = Slot::take(&self.active, &self.metrics.active);
+        self.metrics
+            .handshake
+            .observe(started.elapsed().as_secs_f64());
+        self.metrics.opened.inc();
+        // Latency matters more than packet count for request/response traffic; the
+        // dataplanes write in large chunks anyway.
+        let _ = down.set_nodelay(true);
+        let _ = up.set_nodelay(true);
+
+        let outcome = tokio::select! {
+            r = self.dataplane.forward(down, up, &buf, self.config.limits) => r,
+            _ = kill.cancelled() => {
+                self.metrics.closed.get_or_create(&metrics::EndLabel { end: "drain_deadline" }).inc();
+                debug!("closed at the drain deadline");
+                return;
+            }
+        };
+        match outcome {
+            Ok(o) => {
+                self.metrics
+                    .closed
+                    .get_or_create(&metrics::EndLabel {
+                        end: o.end.as_str(),
+                    })
+                    .inc();
+                self.metrics
+                    .bytes
+                    .get_or_create(&metrics::DirectionLabel {
+                        direction: "downstream_to_upstream",
+                    })
+                    .inc_by(o.downstream_to_upstream);
+                self.metrics
+                    .bytes
+                    .get_or_create(&metrics::DirectionLabel {
+                        direction: "upstream_to_downstream",
+                    })
+                    .inc_by(o.upstream_to_downstream);
+                debug!(
+                    end = o.end.as_str(),
+                    down_to_up = o.downstream_to_upstream,
+                    up_to_down = o.upstream_to_downstream,
+                    "connection closed"
+                );
+            }
+            Err(e) => {
+                self.metrics
+                    .closed
+                    .get_or_create(&metrics::EndLabel { end: "setup_error" })
+                    .inc();
+                warn!(error = %e, "dataplane could not take the connection");
+            }
+        }
+    }
+
+    /// Reads the hello, picks a pod and connects to it.
+    async fn route(
+        &self,
+        down: &mut TcpStream,
+        buf: &mut BytesMut,
+    ) -> Result<(TcpStream, route::Lease<'_>), Reject> {
+        let cfg = &self.config;
+        let hello = tokio::time::timeout(
+            cfg.hello_timeout,
+            sni::read_client_hello(down, buf, cfg.max_hello_bytes),
+        )
+        .await
+        .map_err(|_| Reject::HelloTimeout(cfg.hello_timeout))??;
+        let target =
+            sni::parse_sni(hello.sni(), &cfg.mesh_domain).map_err(|source| Reject::Sni {
+                sni: hello.sni().to_owned(),
+                source,
+            })?;
+        let label = || format!("{}.{}:{}", target.service, target.namespace, target.port);
+        let snapshot = self.store.snapshot();
+        let mut candidates = cfg
+            .policy
+            .candidates(&snapshot, &target)
+            .map_err(|source| Reject::NoRoute {
+                target: label(),
+                source,
+            })?;
+        let mut last = String::from("no candidate");
+        for attempt in 0..cfg.connect_attempts.max(1) {
+            let Some((ep, lease)) = self.balancer.pick(&mut candidates) else {
+                break;
+            };
+            if attempt > 0 {
+                self.metrics.upstream_retries.inc();
+            }
+            let addr = SocketAddr::new(ep.pod_ip, cfg.pod_port);
+            match tokio::time::timeout(cfg.connect_timeout, TcpStream::connect(addr)).await {
+                Ok(Ok(up)) => {
+                    debug!(pod = %addr, node = %ep.node_name, "routed");
+                    return Ok((up, lease));
+                }
+                Ok(Err(e)) => last = format!("{addr}: {e}"),
+                Err(_) => last = format!("{addr}: timed out after {:?}", cfg.connect_timeout),
+            }
+            debug!(attempt, "upstream connect failed: {last}");
+        }
+        Err(Reject::Connect {
+            target: label(),
+            last,
+        })
+    }
+}

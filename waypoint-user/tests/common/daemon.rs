@@ -1,0 +1,193 @@
+//! Runs the whole daemon in-process (`App::start`) against echo "pods" on loopback
+//! addresses, and reads its metrics over HTTP like Prometheus would.
+
+use std::{
+    net::{IpAddr, SocketAddr},
+    path::PathBuf,
+    sync::atomic::{AtomicU64, Ordering},
+};
+
+use clap::Parser as _;
+use tokio::{
+    io::{AsyncReadExt as _, AsyncWriteExt as _},
+    net::{TcpListener, TcpStream},
+    task::JoinHandle,
+};
+use waypoint::{app::App, config::Config};
+
+#[derive(clap::Parser)]
+struct Args {
+    #[command(flatten)]
+    config: Config,
+}
+
+/// A temporary endpoints file, removed on drop.
+pub struct EndpointsFile(pub PathBuf);
+
+impl Drop for EndpointsFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+impl EndpointsFile {
+    pub fn new(endpoints: serde_json::Value) -> EndpointsFile {
+        static N: AtomicU64 = AtomicU64::new(0);
+        let path = std::env::temp_dir().join(format!(
+            "waypoint-test-{}-{}.json",
+            std::process::id(),
+            N.fetch_add(1, Ordering::SeqCst)
+        ));
+        std::fs::write(
+            &path,
+            serde_json::json!({ "endpoints": endpoints }).to_string(),
+        )
+        .unwrap();
+        EndpointsFile(path)
+    }
+}
+
+/// One endpoint record for the file registry.
+pub fn endpoint(svc: &str, ip: &str, node: &str, exported: bool, ready: bool) -> serde_json::Value {
+    serde_json::json!({
+        "service": svc, "namespace": "bookinfo", "cluster": "a",
+        "pod_ip": ip, "node_name": node, "ports": [8080],
+        "exported": exported, "ready": ready,
+    })
+}
+
+/// Starts the daemon with `args` (the tunnel and admin addresses default to ephemeral
+/// loopback ports; the registry to `file`).
+pub async fn start(file: &EndpointsFile, args: &[&str]) -> App {
+    let registry = format!("file:{}", file.0.display());
+    let mut argv = vec![
+        "waypoint",
+        "--tunnel-addr",
+        "127.0.0.1:0",
+        "--admin-addr",
+        "127.0.0.1:0",
+        "--cluster",
+        "a",
+        "--node-name",
+        "n1",
+        "--registry",
+        &registry,
+    ];
+    argv.extend_from_slice(args);
+    // Daemon logs only when asked for: they go straight to stderr, past the capture.
+    if std::env::var_os("RUST_LOG").is_some() {
+        waypoint::telemetry::init();
+    }
+    let config = Args::try_parse_from(argv).unwrap().config;
+    App::start(config).await.unwrap()
+}
+
+/// An echo "pod" at `ip:port`: writes back every byte, then half-closes after EOF.
+pub async fn echo_pod(ip: &str, port: u16) -> JoinHandle<()> {
+    let addr = SocketAddr::new(ip.parse::<IpAddr>().unwrap(), port);
+    let listener = TcpListener::bind(addr).await.unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let (mut r, mut w) = s.split();
+                let _ = tokio::io::copy(&mut r, &mut w).await;
+                let _ = w.shutdown().await;
+            });
+        }
+    })
+}
+
+/// Scrapes /metrics.
+pub async fn metrics(admin: SocketAddr) -> String {
+    let mut s = TcpStream::connect(admin).await.unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    out
+}
+
+/// The value of one sample, e.g. `waypoint_connections_rejected_total{reason="not_tls"}`;
+/// 0 when absent.
+pub async fn sample(admin: SocketAddr, series: &str) -> f64 {
+    let text = metrics(admin).await;
+    text.lines()
+        .find_map(|l| {
+            l.strip_prefix(series)
+                .and_then(|rest| rest.trim().parse().ok())
+        })
+        .unwrap_or(0.0)
+}
+
+/// GET a path on the admin server, returning the status code.
+pub async fn status(admin: SocketAddr, path: &str) -> u16 {
+    let mut s = TcpStream::connect(admin).await.unwrap();
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    out.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// The real `waypoint` binary in its own process (its own fd table and limits); killed on
+/// drop.
+pub struct Process {
+    child: std::process::Child,
+    pub tunnel_addr: SocketAddr,
+    pub admin_addr: SocketAddr,
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts the binary with the tunnel and admin servers on `ip` (ports 15443 and 15021),
+/// and waits until it is ready.
+pub async fn spawn(file: &EndpointsFile, ip: &str, args: &[&str]) -> Process {
+    let tunnel_addr: SocketAddr = format!("{ip}:15443").parse().unwrap();
+    let admin_addr: SocketAddr = format!("{ip}:15021").parse().unwrap();
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_waypoint"))
+        .arg("run")
+        .args(["--tunnel-addr", &tunnel_addr.to_string()])
+        .args(["--admin-addr", &admin_addr.to_string()])
+        .args(["--cluster", "a", "--node-name", "n1"])
+        .arg("--registry")
+        .arg(format!("file:{}", file.0.display()))
+        .args(args)
+        .env(
+            "RUST_LOG",
+            std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
+        )
+        .spawn()
+        .unwrap();
+    let p = Process {
+        child,
+        tunnel_addr,
+        admin_addr,
+    };
+    let ready = async {
+        loop {
+            if let Ok(mut s) = TcpStream::connect(admin_addr).await {
+                let _ = s.write_all(b"GET /readyz HTTP/1.0\r\n\r\n").await;
+                let mut out = String::new();
+                let _ = s.read_to_string(&mut out).await;
+                if out.starts_with("HTTP/1.0 200") || out.starts_with("HTTP/1.1 200") {
+                    return;
+                }
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(20), ready)
+        .await
+        .expect("the waypoint process became ready");
+    p
+}

@@ -1,0 +1,433 @@
+//! The whole daemon in-process: tunnel listener, ClientHello/SNI routing, the dataplanes,
+//! rejections and their counters, limits and the drain on shutdown.
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+mod common;
+
+use std::time::Duration;
+
+use common::{
+    daemon::{echo_pod, endpoint, sample, spawn, start, status, EndpointsFile},
+    hello::{fixture, with_server_name},
+};
+use rand::{RngCore as _, SeedableRng as _};
+use tokio::{
+    io::{AsyncReadExt as _, AsyncWriteExt as _},
+    net::TcpStream,
+};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn hello_for(sni: &str) -> Vec<u8> {
+    with_server_name(&fixture("rustls_pq.bin"), sni.as_bytes())
+}
+
+/// Sends `hello` and `payload` and expects exactly the same bytes echoed back by the pod.
+async fn echo_through(tunnel: std::net::SocketAddr, hello: &[u8], payload: &[u8]) {
+    let mut c = TcpStream::connect(tunnel).await.unwrap();
+    c.write_all(hello).await.unwrap();
+    let (mut r, mut w) = c.into_split();
+    let send = async {
+        w.write_all(payload).await.unwrap();
+        w.shutdown().await.unwrap();
+    };
+    let recv = async {
+        let mut got = Vec::new();
+        r.read_to_end(&mut got).await.unwrap();
+        got
+    };
+    let ((), got) = tokio::time::timeout(WAIT, async { tokio::join!(send, recv) })
+        .await
+        .expect("echo through the waypoint finished");
+    let mut want = hello.to_vec();
+    want.extend_from_slice(payload);
+    assert_eq!(got.len(), want.len(), "byte count through the waypoint");
+    assert!(got == want, "bytes through the waypoint are unchanged");
+}
+
+/// Expects the daemon to close the connection (EOF or reset) within `WAIT`.
+async fn expect_closed(mut c: TcpStream) {
+    let mut buf = [0u8; 64];
+    let r = tokio::time::timeout(WAIT, c.read(&mut buf)).await;
+    match r {
+        Err(_) => panic!("the waypoint did not close the rejected connection in time"),
+        Ok(Ok(0)) | Ok(Err(_)) => {}
+        Ok(Ok(n)) => panic!("a rejected connection must not receive bytes (got {n})"),
+    }
+}
+
+async fn routes_through(dataplane: &str, pod_ip: &str, port: u16) {
+    let _pod = echo_pod(pod_ip, port).await;
+    let file = EndpointsFile::new(serde_json::json!([endpoint(
+        "reviews", pod_ip, "n1", true, true
+    )]));
+    let port_s = port.to_string();
+    let app = start(&file, &["--dataplane", dataplane, "--pod-port", &port_s]).await;
+    assert_eq!(status(app.admin_addr, "/readyz").await, 200);
+    assert_eq!(status(app.admin_addr, "/healthz").await, 200);
+    let mut payload = vec![0u8; 4 << 20];
+    rand::rngs::StdRng::seed_from_u64(7).fill_bytes(&mut payload);
+
+    // A post-quantum hello (~1.5 KB) and a classic one.
+    echo_through(
+        app.tunnel_addr,
+        &hello_for("8080.reviews.bookinfo.mesh.local"),
+        &payload,
+    )
+    .await;
+    let classic = with_server_name(&fixture("openssl.bin"), b"8080.reviews.bookinfo.mesh.local");
+    echo_through(app.tunnel_addr, &classic, b"ping").await;
+    let admin = app.admin_addr;
+    let closed = async {
+        loop {
+            if sample(admin, "waypoint_connections_closed_total{end=\"closed\"}").await >= 2.0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(WAIT, closed)
+        .await
+        .expect("both connections counted as closed");
+    assert_eq!(
+        sample(admin, "waypoint_connections_opened_total").await,
+        2.0
+    );
+    let bytes = sample(
+        admin,
+        "waypoint_bytes_total{direction=\"upstream_to_downstream\"}",
+    )
+    .await;
+    assert!(bytes >= payload.len() as f64, "bytes counted: {bytes}");
+    let m = common::daemon::metrics(admin).await;
+    assert!(
+        m.contains(&format!(
+            "waypoint_dataplane{{dataplane=\"{dataplane}\"}} 1"
+        )),
+        "{m}"
+    );
+    app.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routes_to_a_local_pod_with_ebpf() {
+    routes_through("ebpf", "127.1.0.1", 15008).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routes_to_a_local_pod_with_splice() {
+    routes_through("splice", "127.1.0.2", 15008).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routes_to_a_local_pod_with_copy() {
+    routes_through("copy", "127.1.0.3", 15008).await;
+}
+
+/// Every kind of bad input gets its own counted rejection, within its deadline, while a
+/// long transfer on the same waypoint completes intact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_is_rejected_and_counted() {
+    let _pod = echo_pod("127.1.1.1", 15008).await;
+    let file = EndpointsFile::new(serde_json::json!([
+        endpoint("reviews", "127.1.1.1", "n1", true, true),
+        endpoint("internal", "127.1.1.1", "n1", false, true),
+        endpoint("drained", "127.1.1.2", "n1", true, false),
+        // Registered and ready, but nothing listens there.
+        endpoint("dead", "127.1.1.3", "n1", true, true),
+    ]));
+    let app = start(
+        &file,
+        &[
+            "--dataplane",
+            "ebpf",
+            "--hello-timeout",
+            "1s",
+            "--connect-timeout",
+            "500ms",
+        ],
+    )
+    .await;
+    let tunnel = app.tunnel_addr;
+
+    // A good connection that runs through all the abuse.
+    let good = tokio::spawn(async move {
+        let mut payload = vec![0u8; 32 << 20];
+        rand::rngs::StdRng::seed_from_u64(9).fill_bytes(&mut payload);
+        echo_through(
+            tunnel,
+            &hello_for("8080.reviews.bookinfo.mesh.local"),
+            &payload,
+        )
+        .await;
+    });
+
+    let mut sslv2 = vec![
+        0x80, 0x2e, 0x01, 0x03, 0x01, 0x00, 0x15, 0x00, 0x00, 0x00, 0x10,
+    ];
+    sslv2.extend_from_slice(&[0u8; 37]);
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        ("not_tls", b"\x00\x01garbage garbage garbage".to_vec()),
+        (
+            "not_tls",
+            b"GET / HTTP/1.1\r\nHost: reviews\r\n\r\n".to_vec(),
+        ),
+        ("not_tls", sslv2),
+        ("no_sni", fixture("rustls_no_sni.bin")),
+        ("bad_sni", hello_for("10.0.0.1")),
+        (
+            "foreign_domain",
+            hello_for("8080.reviews.bookinfo.example.com"),
+        ),
+        (
+            "unknown_service",
+            hello_for("8080.ratings.bookinfo.mesh.local"),
+        ),
+        (
+            "not_exported",
+            hello_for("8080.internal.bookinfo.mesh.local"),
+        ),
+        ("no_endpoint", hello_for("8080.drained.bookinfo.mesh.local")),
+        ("no_endpoint", hello_for("9090.reviews.bookinfo.mesh.local")),
+        (
+            "upstream_connect_failed",
+            hello_for("8080.dead.bookinfo.mesh.local"),
+        ),
+        ("bad_sni", hello_for("0.reviews.bookinfo.mesh.local")),
+        ("bad_sni", hello_for("65536.reviews.bookinfo.mesh.local")),
+        ("bad_sni", hello_for("http.reviews.bookinfo.mesh.local")),
+        (
+            "bad_sni",
+            hello_for(&format!("8080.{}.bookinfo.mesh.local", "r".repeat(64))),
+        ),
+        ("bad_sni", hello_for("8080")),
+    ];
+    for (reason, bytes) in cases {
+        let series = format!("waypoint_connections_rejected_total{{reason=\"{reason}\"}}");
+        let before = sample(app.admin_addr, &series).await;
+        let mut c = TcpStream::connect(tunnel).await.unwrap();
+        c.write_all(&bytes).await.unwrap();
+        expect_closed(c).await;
+        let after = sample(app.admin_addr, &series).await;
+        assert_eq!(after, before + 1.0, "{reason}: counted once");
+    }
+
+    // Silent client and slowloris: both end at the hello deadline.
+    let series = "waypoint_connections_rejected_total{reason=\"hello_timeout\"}";
+    let silent = TcpStream::connect(tunnel).await.unwrap();
+    let slow = tokio::spawn(async move {
+        let mut c = TcpStream::connect(tunnel).await.unwrap();
+        for b in hello_for("8080.reviews.bookinfo.mesh.local") {
+            if c.write_all(&[b]).await.is_err() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    });
+    expect_closed(silent).await;
+    tokio::time::timeout(WAIT, slow).await.unwrap().unwrap();
+    assert_eq!(sample(app.admin_addr, series).await, 2.0);
+
+    // A client that closes mid-hello.
+    let mut c = TcpStream::connect(tunnel).await.unwrap();
+    c.write_all(&hello_for("8080.reviews.bookinfo.mesh.local")[..100])
+        .await
+        .unwrap();
+    c.shutdown().await.unwrap();
+    expect_closed(c).await;
+
+    tokio::time::timeout(Duration::from_secs(60), good)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        sample(
+            app.admin_addr,
+            "waypoint_connections_closed_total{end=\"closed\"}"
+        )
+        .await,
+        1.0
+    );
+    app.shutdown().await;
+}
+
+/// 10,000 connections that never finish a hello: each is rejected (overload beyond the
+/// pending limit, hello_timeout below it) and an established connection is served
+/// throughout. (New connections are refused while the flood holds every pending slot:
+/// that is the point of the limit.) The daemon runs as its own process so the 10,000
+/// sockets on each side do not share one fd table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_thousand_stalled_hellos() {
+    raise_nofile();
+    let _pod = echo_pod("127.1.2.1", 15008).await;
+    let file = EndpointsFile::new(serde_json::json!([endpoint(
+        "reviews",
+        "127.1.2.1",
+        "n1",
+        true,
+        true
+    )]));
+    let daemon = spawn(
+        &file,
+        "127.1.2.254",
+        &[
+            "--dataplane",
+            "splice",
+            "--hello-timeout",
+            "2s",
+            "--max-pending-handshakes",
+            "1000",
+        ],
+    )
+    .await;
+    let (tunnel, admin) = (daemon.tunnel_addr, daemon.admin_addr);
+    let hello = hello_for("8080.reviews.bookinfo.mesh.local");
+    let mut good = TcpStream::connect(tunnel).await.unwrap();
+    good.write_all(&hello).await.unwrap();
+    let mut back = vec![0u8; hello.len()];
+    good.read_exact(&mut back).await.unwrap();
+
+    let mut stalled = Vec::with_capacity(10_000);
+    for i in 0..10_000 {
+        let mut c = TcpStream::connect(tunnel).await.unwrap();
+        // Half of them send a partial hello, half nothing at all.
+        if i % 2 == 0 {
+            c.write_all(&hello[..50]).await.unwrap();
+        }
+        stalled.push(c);
+        if i % 1000 == 0 {
+            let ping = format!("ping {i}");
+            good.write_all(ping.as_bytes()).await.unwrap();
+            let mut b = vec![0u8; ping.len()];
+            good.read_exact(&mut b).await.unwrap();
+            assert_eq!(b, ping.as_bytes());
+        }
+    }
+    let all_counted = async {
+        loop {
+            let timeouts = sample(
+                admin,
+                "waypoint_connections_rejected_total{reason=\"hello_timeout\"}",
+            )
+            .await;
+            let overload = sample(
+                admin,
+                "waypoint_connections_rejected_total{reason=\"overload\"}",
+            )
+            .await;
+            if timeouts + overload >= 10_000.0 {
+                return (timeouts, overload);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    let (timeouts, overload) = tokio::time::timeout(Duration::from_secs(30), all_counted)
+        .await
+        .expect("every stalled connection rejected");
+    assert_eq!(timeouts + overload, 10_000.0);
+    assert!(
+        timeouts >= 1.0 && overload >= 1.0,
+        "timeouts {timeouts}, overload {overload}"
+    );
+    for c in stalled {
+        expect_closed(c).await;
+    }
+    assert_eq!(sample(admin, "waypoint_pending_handshakes").await, 0.0);
+    good.write_all(b"after").await.unwrap();
+    let mut b = [0u8; 5];
+    good.read_exact(&mut b).await.unwrap();
+    assert_eq!(&b, b"after");
+    echo_through(tunnel, &hello, b"and a new one").await;
+}
+
+/// A pod that refuses connections is skipped: the next candidate serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_failure_tries_the_next_pod() {
+    let _pod = echo_pod("127.1.3.1", 15008).await;
+    let file = EndpointsFile::new(serde_json::json!([
+        endpoint("reviews", "127.1.3.1", "n1", true, true),
+        endpoint("reviews", "127.1.3.2", "n1", true, true),
+    ]));
+    let app = start(&file, &["--dataplane", "splice"]).await;
+    for _ in 0..20 {
+        echo_through(
+            app.tunnel_addr,
+            &hello_for("8080.reviews.bookinfo.mesh.local"),
+            b"x",
+        )
+        .await;
+    }
+    assert!(sample(app.admin_addr, "waypoint_upstream_retries_total").await >= 1.0);
+    assert_eq!(
+        sample(app.admin_addr, "waypoint_connections_opened_total").await,
+        20.0
+    );
+    app.shutdown().await;
+}
+
+/// SIGTERM semantics: not ready and not accepting at once; established connections keep
+/// working until the drain deadline, then are closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_on_shutdown() {
+    let _pod = echo_pod("127.1.4.1", 15008).await;
+    let file = EndpointsFile::new(serde_json::json!([endpoint(
+        "reviews",
+        "127.1.4.1",
+        "n1",
+        true,
+        true
+    )]));
+    let app = start(&file, &["--dataplane", "ebpf", "--drain-timeout", "2s"]).await;
+    let (tunnel, admin) = (app.tunnel_addr, app.admin_addr);
+    let ready = app.ready.clone();
+    let hello = hello_for("8080.reviews.bookinfo.mesh.local");
+    let mut c = TcpStream::connect(tunnel).await.unwrap();
+    c.write_all(&hello).await.unwrap();
+    let mut back = vec![0u8; hello.len()];
+    c.read_exact(&mut back).await.unwrap();
+
+    let shutdown = tokio::spawn(app.shutdown());
+    let not_ready = async {
+        while ready.is_ready() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    tokio::time::timeout(WAIT, not_ready).await.unwrap();
+    assert_eq!(status(admin, "/readyz").await, 503);
+    // New connections are refused once the listener is gone.
+    let refused = async {
+        loop {
+            if TcpStream::connect(tunnel).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    tokio::time::timeout(WAIT, refused).await.unwrap();
+    // The established one still works during the drain...
+    c.write_all(b"during drain").await.unwrap();
+    let mut b = [0u8; 12];
+    c.read_exact(&mut b).await.unwrap();
+    assert_eq!(&b, b"during drain");
+    // ...and is closed at the deadline.
+    expect_closed(c).await;
+    tokio::time::timeout(WAIT, shutdown).await.unwrap().unwrap();
+}
+
+/// Soft fd limit up to the hard one: 10,000 client sockets plus the test's own.
+fn raise_nofile() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit read or write one rlimit struct.
+    unsafe {
+        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim), 0);
+        lim.rlim_cur = lim.rlim_max;
+        assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &lim), 0);
+    }
+    assert!(
+        lim.rlim_cur >= 12_000,
+        "need at least 12,000 fds, hard limit is {}",
+        lim.rlim_max
+    );
+}
