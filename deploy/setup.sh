@@ -24,7 +24,7 @@ APT_PACKAGES=(
   # Benchmark peers.
   nginx libnginx-mod-stream haproxy
   # Build helpers.
-  pkg-config build-essential protobuf-compiler
+  pkg-config build-essential protobuf-compiler libprotobuf-dev
 )
 
 missing=()

@@ -235,7 +235,6 @@ where
     A: Future<Output = DirEnd>,
     B: Future<Output = DirEnd>,
 {
-    let started = Instant::now();
     let mut down_to_up = pin!(down_to_up);
     let mut up_to_down = pin!(up_to_down);
     let mut d2u_done = false;
@@ -248,6 +247,9 @@ where
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last_progress = progress();
     let mut last_change = Instant::now();
+    // Only polled when there is a lifetime limit.
+    let deadline = tokio::time::sleep(limits.max_lifetime.unwrap_or(Duration::ZERO));
+    let mut deadline = pin!(deadline);
 
     // A reset on one side is passed on as an abort of the other: both sockets close
     // with RST when the caller drops them.
@@ -276,12 +278,8 @@ where
                 DirEnd::DestReset => return reset(End::DownstreamReset),
                 DirEnd::Error(e) => return fail(&e),
             },
+            _ = &mut deadline, if limits.max_lifetime.is_some() => return End::LifetimeExceeded,
             _ = ticker.tick() => {
-                if let Some(max) = limits.max_lifetime {
-                    if started.elapsed() >= max {
-                        return End::LifetimeExceeded;
-                    }
-                }
                 let now = progress();
                 if now != last_progress {
                     last_progress = now;

@@ -20,8 +20,9 @@ enum Task {
     /// Build the eBPF object into target/ebpf/waypoint (the daemon build embeds the same
     /// object through its build script; this is for inspection, e.g. with bpftool).
     BuildEbpf,
-    /// Run the whole test suite: fmt check, clippy, unit, integration (root: eBPF,
-    /// network namespaces) and a bounded fuzz run. This is what CI runs.
+    /// Run the whole test suite: fmt check, clippy, a bounded fuzz run of the
+    /// ClientHello parser, then unit and integration tests (root: eBPF, real daemons).
+    /// This is what CI runs.
     Test {
         /// Skip fmt and clippy.
         #[arg(long)]
@@ -31,6 +32,12 @@ enum Task {
     Bench {
         #[command(subcommand)]
         which: Bench,
+    },
+    /// Fuzz the ClientHello/SNI parser for a while (cargo-fuzz, nightly).
+    Fuzz {
+        /// How long, in seconds.
+        #[arg(long, default_value_t = 60)]
+        seconds: u32,
     },
 }
 
@@ -77,6 +84,7 @@ fn main() -> anyhow::Result<()> {
     match cli.task {
         Task::BuildEbpf => build_ebpf(&root),
         Task::Test { no_lint } => test(&root, no_lint),
+        Task::Fuzz { seconds } => fuzz(&root, seconds),
         Task::Bench {
             which: Bench::Dataplane { quick, json },
         } => {
@@ -132,6 +140,32 @@ fn build_ebpf(root: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A bounded cargo-fuzz run of the ClientHello/SNI parser, seeded with the recorded
+/// hellos. A crash fails the run and leaves the input in fuzz/artifacts/.
+fn fuzz(root: &Path, seconds: u32) -> anyhow::Result<()> {
+    let corpus = root.join("fuzz/corpus/client_hello");
+    std::fs::create_dir_all(&corpus)?;
+    for entry in std::fs::read_dir(root.join("waypoint-user/testdata"))? {
+        let path = entry?.path();
+        if path.extension().is_some_and(|e| e == "bin") {
+            let name = path.file_name().context("fixture without a name")?;
+            std::fs::copy(&path, corpus.join(name))?;
+        }
+    }
+    run(cargo(root)
+        .args([
+            "+nightly",
+            "fuzz",
+            "run",
+            "--fuzz-dir",
+            "fuzz",
+            "client_hello",
+        ])
+        .arg(&corpus)
+        .arg("--")
+        .arg(format!("-max_total_time={seconds}")))
+}
+
 fn test(root: &Path, no_lint: bool) -> anyhow::Result<()> {
     // The integration tier needs root (eBPF, network namespaces): fail loudly rather
     // than skip.
@@ -146,6 +180,7 @@ fn test(root: &Path, no_lint: bool) -> anyhow::Result<()> {
         run(cargo(root).args(["fmt", "--all", "--", "--check"]))?;
         run(cargo(root).args(["clippy", "--all-targets", "--", "-D", "warnings"]))?;
     }
+    fuzz(root, 60)?;
     // Release: the dataplane tests move gigabytes; debug builds make them needlessly slow.
     run(cargo(root).args(["test", "--release"]))?;
     Ok(())

@@ -256,20 +256,30 @@ impl Ebpf {
         // ClientHello) would be delivered a second time. Reading everything queued now
         // leaves no partly-read segment behind; what arrives later is whole.
         let mut down_initial = initial.to_vec();
-        drain_queued(&downstream, &mut down_initial)?;
         let mut up_initial = Vec::new();
-        drain_queued(&upstream, &mut up_initial)?;
+        let drained = drain_queued(&downstream, &mut down_initial)?
+            && drain_queued(&upstream, &mut up_initial)?;
         // The kernel only accepts established TCP sockets in a SockHash. A client that
         // sent its FIN right behind the hello (or a pod that already closed) is served by
-        // the userspace copy instead: same semantics, slower.
-        if !(is_established(&downstream)? && is_established(&upstream)?) {
+        // the userspace copy instead: same semantics, slower. The same goes when the
+        // insertion fails anyway (a FIN racing this check, full maps).
+        let mut reg = Registration::new(self, down, up);
+        let attached = drained
+            && is_established(&downstream)?
+            && is_established(&upstream)?
+            && reg.attach((down, &downstream), (up, &upstream));
+        if !attached {
             self.fallbacks.fetch_add(1, Relaxed);
-            debug!("socket not established: forwarding in userspace");
-            return self
+            debug!("sockets could not enter the SockHash: forwarding in userspace");
+            // `reg` stays alive until the copy ends: a socket that did get in keeps zero
+            // credit, so everything arriving on it is passed and read by the copy, and
+            // removing it earlier would discard what the kernel queued for it.
+            let outcome = self
                 .forward_in_userspace(downstream, upstream, &down_initial, &up_initial, limits)
                 .await;
+            drop(reg);
+            return outcome;
         }
-        let reg = Registration::new(self, (down, &downstream), (up, &upstream))?;
         // Nothing has been redirected yet (credit 0): these are the TCP baselines.
         let down_base = handed(&downstream)?.bytes;
         let up_base = handed(&upstream)?.bytes;
@@ -306,6 +316,8 @@ impl Ebpf {
             || redirected(down) + redirected(up) + d2u_user.load(Relaxed) + u2d_user.load(Relaxed),
         )
         .await;
+        // Stop the verdict first so the counters are final when read.
+        reg.detach();
         let outcome = Outcome {
             downstream_to_upstream: redirected(down) + d2u_user.load(Relaxed),
             upstream_to_downstream: redirected(up) + u2d_user.load(Relaxed),
@@ -352,46 +364,66 @@ impl Ebpf {
 /// A connection's entries in the maps; removed on drop, whatever way the connection ends.
 struct Registration<'a> {
     dp: &'a Ebpf,
+    /// Downstream and upstream cookies.
     cookies: [u64; 2],
+    /// Whether the flow records were created.
+    records: bool,
 }
 
 impl<'a> Registration<'a> {
-    fn new(dp: &'a Ebpf, a: (u64, &TcpStream), b: (u64, &TcpStream)) -> Result<Self, Error> {
-        // Constructed first so that a failure half-way still removes what was inserted.
-        let reg = Registration {
+    /// Creates the flow records, with zero credit: until userspace has written the initial
+    /// bytes, every segment (including any already queued, which the kernel runs through
+    /// the verdict on insertion) is passed to userspace, never redirected or dropped.
+    fn new(dp: &'a Ebpf, down: u64, up: u64) -> Self {
+        let mut reg = Registration {
             dp,
-            cookies: [a.0, b.0],
+            cookies: [down, up],
+            records: false,
         };
-        // Records before sockets, with zero credit: until userspace has written the
-        // initial bytes, every segment (including any already queued, which the kernel
-        // runs through the verdict on insertion) is passed to userspace, never redirected
-        // or dropped.
-        for c in reg.cookies {
-            lock(&dp.counters).insert(c, FlowCounters::default(), 0)?;
-            dp.set_budget(c, FlowBudget::default())?;
+        reg.records = reg.cookies.iter().all(|&c| {
+            let counters = lock(&dp.counters).insert(c, FlowCounters::default(), 0);
+            let budget = dp.set_budget(c, FlowBudget::default());
+            match counters.and(budget) {
+                Ok(()) => true,
+                Err(e) => {
+                    debug!(error = %map_error_chain(&e), "flow records not created");
+                    false
+                }
+            }
+        });
+        reg
+    }
+
+    /// Inserts both sockets, each under its peer's cookie. Returns false when the
+    /// connection must be served in userspace instead.
+    fn attach(&mut self, down: (u64, &TcpStream), up: (u64, &TcpStream)) -> bool {
+        if !self.records {
+            return false;
         }
-        let mut peers = lock(&dp.peers);
-        // Each socket is stored under its peer's cookie. The downstream goes in first:
-        // if it fails nothing is attached yet.
-        peers.insert(b.0, a.1.as_fd(), 0)?;
-        if let Err(e) = peers.insert(a.0, b.1.as_fd(), 0) {
-            // Removing the downstream now would discard what the verdict passed to its
-            // queue; fail the connection loudly (both sides see RST) instead.
-            super::abort_on_close(a.1);
-            super::abort_on_close(b.1);
-            return Err(e.into());
+        let mut peers = lock(&self.dp.peers);
+        // The downstream first: it is the socket a client may have half-closed already.
+        for (key, sock) in [(up.0, down.1), (down.0, up.1)] {
+            if let Err(e) = peers.insert(key, sock.as_fd(), 0) {
+                debug!(error = %map_error_chain(&e), "socket not inserted into the SockHash");
+                return false;
+            }
         }
-        Ok(reg)
+        true
+    }
+
+    /// Takes the sockets out of the SockHash: the verdict no longer runs for them.
+    fn detach(&mut self) {
+        for c in self.cookies {
+            // ENOENT: never inserted, or already unlinked by close. Nothing to undo.
+            let _ = lock(&self.dp.peers).remove(&c);
+        }
     }
 }
 
 impl Drop for Registration<'_> {
     fn drop(&mut self) {
-        // Sockets first, so the verdict stops running before its records go. Errors are
-        // ENOENT (never inserted, or already unlinked by close): nothing to undo.
-        for c in self.cookies {
-            let _ = lock(&self.dp.peers).remove(&c);
-        }
+        // Sockets first, so the verdict stops running before its records go.
+        self.detach();
         for c in self.cookies {
             let _ = lock(&self.dp.counters).remove(&c);
             let _ = lock(&self.dp.budgets).remove(&c);
@@ -615,18 +647,29 @@ fn handed(sock: &TcpStream) -> io::Result<Handed> {
     })
 }
 
-/// Reads everything queued on `sock` into `buf`, without waiting.
-fn drain_queued(sock: &TcpStream, buf: &mut Vec<u8>) -> io::Result<()> {
-    let mut chunk = [0u8; 16 * 1024];
-    loop {
+/// Most bytes read from one socket before it enters the SockHash. A client streaming
+/// right behind its hello would otherwise keep the read going for the whole transfer.
+const DRAIN_CAP: usize = 1024 * 1024;
+
+/// Reads everything queued on `sock` into `buf`, without waiting. Returns false when the
+/// queue was not empty after [`DRAIN_CAP`] bytes: a partly read segment may remain, so
+/// the socket must not enter the SockHash.
+fn drain_queued(sock: &TcpStream, buf: &mut Vec<u8>) -> io::Result<bool> {
+    let mut chunk = vec![0u8; 64 * 1024];
+    let mut read = 0;
+    while read < DRAIN_CAP {
         match sock.try_read(&mut chunk) {
-            // EOF already: the FIN stays visible to the pump as EOF.
-            Ok(0) => return Ok(()),
-            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+            // EOF already: the FIN stays visible to whoever reads next.
+            Ok(0) => return Ok(true),
+            Ok(n) => {
+                buf.extend_from_slice(&chunk[..n]);
+                read += n;
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(true),
             Err(e) => return Err(e),
         }
     }
+    Ok(false)
 }
 
 /// `TCP_ESTABLISHED` from include/net/tcp_states.h.
