@@ -11,6 +11,11 @@ fn main() -> anyhow::Result<()> {
     let root = manifest
         .parent()
         .context("waypoint-user has no parent directory")?;
+    // The registry record types come from the .proto (the schema's source of truth).
+    println!("cargo:rerun-if-changed=proto/registry.proto");
+    prost_build::compile_protos(&["proto/registry.proto"], &["proto/"]).context(
+        "compiling proto/registry.proto failed (is protoc installed? see deploy/setup.sh)",
+    )?;
     let ebpf_dir = root.join("waypoint-ebpf");
     let common_dir = root.join("waypoint-common");
     println!("cargo:rerun-if-changed={}", common_dir.display());

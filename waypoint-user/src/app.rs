@@ -8,11 +8,11 @@ use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::{info, warn};
 
 use crate::{
-    admin::{Admin, Readiness},
+    admin::{Admin, Api, Readiness},
     config::Config,
     dataplane::{copy::Copy, ebpf::Ebpf, splice::Splice, Dataplane, Kind},
     metrics::Metrics,
-    registry,
+    registry::{self, etcd},
     router::{self, Router},
     sni,
     store::{Snapshot, Store},
@@ -56,6 +56,8 @@ pub struct App {
     pub tunnel_addr: std::net::SocketAddr,
     /// The admin server's address.
     pub admin_addr: std::net::SocketAddr,
+    /// The etcd watcher, with `--registry etcd:...`.
+    pub watcher: Option<etcd::WatcherHandle>,
     config: Config,
     stop: CancellationToken,
     kill: CancellationToken,
@@ -71,6 +73,7 @@ impl App {
         let dataplane = Arc::new(choose_dataplane(&config)?);
         let mut metrics = Metrics::new(dataplane.clone());
         let router_metrics = router::Metrics::new(metrics.registry_mut());
+        let registry_metrics = registry::metrics::Metrics::new(metrics.registry_mut());
         let metrics = Arc::new(metrics);
         let ready = Arc::new(Readiness::default());
         let stop = CancellationToken::new();
@@ -78,9 +81,42 @@ impl App {
         let tracker = TaskTracker::new();
 
         let store = Store::new();
+        let mut etcd_health = None;
+        let mut watcher = None;
+        if config.local_endpoints.is_some()
+            && !matches!(config.registry, Some(registry::Location::Etcd(_)))
+        {
+            anyhow::bail!("--local-endpoints registers pods in etcd: it needs --registry etcd:URL");
+        }
         match &config.registry {
             Some(registry::Location::File(path)) => {
                 registry::file::run(path.clone(), store.clone(), stop.clone()).await?;
+            }
+            Some(registry::Location::Etcd(urls)) => {
+                let connector =
+                    etcd::Connector::new(urls.clone(), &config.etcd).context("--registry etcd")?;
+                // The watcher outlives the drain: established connections keep routing
+                // decisions current until the end. It stops on kill.
+                watcher = Some(
+                    etcd::Watcher::new(connector.clone(), store.clone(), registry_metrics.clone())
+                        .spawn(kill.clone()),
+                );
+                if let Some(path) = &config.local_endpoints {
+                    // Fail at start on a broken file; later breakage keeps the last set.
+                    etcd::load_local(path)?;
+                    let registrar = etcd::Registrar::new(
+                        connector,
+                        config.identity(),
+                        etcd::LocalSource::File(path.clone()),
+                        config.registry_lease_ttl,
+                        registry_metrics.clone(),
+                    );
+                    // Stops (and revokes the lease) when the drain starts, so that other
+                    // nodes stop sending new connections here while old ones finish; the
+                    // tracker makes the drain wait for the revoke.
+                    tracker.spawn(registrar.run(stop.clone()));
+                }
+                etcd_health = Some(registry_metrics.clone());
             }
             None => {
                 warn!("no --registry: the endpoint store is empty and every connection will be rejected");
@@ -105,12 +141,31 @@ impl App {
         let admin = Admin::bind(config.admin_addr).await?;
         let admin_addr = admin.local_addr()?;
         // The admin server outlives the drain (metrics stay scrapable); it stops on kill.
-        tokio::spawn(admin.serve(metrics, ready.clone(), kill.clone()));
+        let api = Arc::new(Api {
+            store: store.clone(),
+            viewer: config.viewer(),
+            registry: etcd_health,
+        });
+        tokio::spawn(admin.serve(metrics, ready.clone(), api, kill.clone()));
 
-        // Ready: listener bound, dataplane chosen, store synced.
+        // Ready: listener bound, dataplane chosen, store synced. etcd may not be reachable
+        // yet: readiness then follows the first sync (liveness never waits for etcd).
+        // After that it stays ready while etcd is away: the last known state is served.
         if store.is_synced() {
             ready.set(true);
             info!(%tunnel_addr, %admin_addr, "ready");
+        } else {
+            let (store, ready, stop) = (store.clone(), ready.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut rx = store.subscribe();
+                tokio::select! {
+                    _ = stop.cancelled() => {}
+                    r = rx.wait_for(|s| s.synced) => if r.is_ok() && !stop.is_cancelled() {
+                        ready.set(true);
+                        info!(%tunnel_addr, %admin_addr, "ready");
+                    },
+                }
+            });
         }
         Ok(App {
             store,
@@ -118,6 +173,7 @@ impl App {
             ready,
             tunnel_addr,
             admin_addr,
+            watcher,
             config,
             stop,
             kill,

@@ -2,9 +2,13 @@
 //! variable (`WAYPOINT_*`), documented here and shown by `--help`. The whole config is
 //! logged at start.
 
-use std::{net::SocketAddr, time::Duration};
+use std::{
+    net::{IpAddr, SocketAddr},
+    path::PathBuf,
+    time::Duration,
+};
 
-use crate::{dataplane, registry, router};
+use crate::{dataplane, horizon, registry, router};
 
 /// Parses durations such as `30s`, `500ms`, `2m`, `1h`, or a bare number of seconds.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -67,10 +71,59 @@ pub struct Config {
     #[arg(long, env = "WAYPOINT_MESH_DOMAIN", default_value = "mesh.local")]
     pub mesh_domain: String,
 
-    /// Where endpoints come from: `file:PATH` (a JSON document, re-read when it changes).
+    /// Where endpoints come from: `file:PATH` (a JSON document, re-read when it changes;
+    /// for a single node) or `etcd:URL[,URL...]` (the shared registry, e.g.
+    /// `etcd:http://10.0.0.1:2379,http://10.0.0.2:2379`; see docs/REGISTRY.md).
     /// Without it the store is empty and every connection is rejected.
     #[arg(long, env = "WAYPOINT_REGISTRY")]
     pub registry: Option<registry::Location>,
+
+    // --etcd-ca, --etcd-cert, --etcd-key.
+    #[command(flatten)]
+    pub etcd: registry::etcd::TlsArgs,
+
+    /// etcd registry: TTL of this node's lease. The daemon renews it every third of the
+    /// TTL; if the node dies, its endpoints leave every cluster's view this long after.
+    #[arg(long, env = "WAYPOINT_REGISTRY_LEASE_TTL", value_parser = parse_duration, default_value = "10s")]
+    pub registry_lease_ttl: Duration,
+
+    /// etcd registry: a JSON file listing this node's pods, registered under the node's
+    /// lease and re-read when it changes: `{"endpoints": [{"service": "reviews",
+    /// "namespace": "bookinfo", "pod_ip": "10.1.0.7", "pod_name": "reviews-1",
+    /// "ports": [9080], "exported": true}]}`. Cluster, node, node IP and locality come from
+    /// the flags. Until the Kubernetes source exists, this is how a node registers pods.
+    #[arg(long, env = "WAYPOINT_LOCAL_ENDPOINTS")]
+    pub local_endpoints: Option<PathBuf>,
+
+    /// This node's IP as other clusters reach it: registered with this node's endpoints
+    /// so that sources elsewhere can dial them through this waypoint. Without it other
+    /// clusters leave this node's endpoints out.
+    #[arg(long, env = "WAYPOINT_NODE_IP")]
+    pub node_ip: Option<IpAddr>,
+
+    /// Locality of this node: region (topology.kubernetes.io/region).
+    #[arg(long, env = "WAYPOINT_REGION", default_value = "")]
+    pub region: String,
+
+    /// Locality of this node: zone (topology.kubernetes.io/zone).
+    #[arg(long, env = "WAYPOINT_ZONE", default_value = "")]
+    pub zone: String,
+
+    /// Split horizon: how sources on this node reach endpoints. `off`: dial every pod
+    /// directly (flat network); `cross-cluster`: other clusters' pods through their node's
+    /// waypoint; `always`: every pod not on this node through its node's waypoint.
+    #[arg(
+        long,
+        env = "WAYPOINT_EAST_WEST_WAYPOINT",
+        value_enum,
+        default_value = "off"
+    )]
+    pub east_west_waypoint: horizon::Mode,
+
+    /// Split horizon: the port other nodes' waypoints listen on. Default: the port of
+    /// --tunnel-addr (every node runs the same configuration).
+    #[arg(long, env = "WAYPOINT_TUNNEL_PORT")]
+    pub tunnel_port: Option<u16>,
 
     /// Route to services that are not marked exported. For labs only: in production a
     /// service is reachable from other clusters only when exported.
@@ -165,6 +218,31 @@ impl Config {
         dataplane::Limits {
             idle_timeout: self.idle_timeout,
             max_lifetime: self.max_lifetime,
+        }
+    }
+
+    /// The split-horizon viewer this node is.
+    pub fn viewer(&self) -> horizon::Viewer {
+        horizon::Viewer {
+            cluster: self.cluster.clone(),
+            node: self.node_name.clone(),
+            region: self.region.clone(),
+            zone: self.zone.clone(),
+            mode: self.east_west_waypoint,
+            mesh_domain: self.mesh_domain.clone(),
+            tunnel_port: self.tunnel_port.unwrap_or(self.tunnel_addr.port()),
+            pod_port: self.pod_port,
+        }
+    }
+
+    /// Who this node is, for the records it registers.
+    pub fn identity(&self) -> registry::etcd::NodeIdentity {
+        registry::etcd::NodeIdentity {
+            cluster: self.cluster.clone(),
+            node: self.node_name.clone(),
+            node_ip: self.node_ip,
+            region: self.region.clone(),
+            zone: self.zone.clone(),
         }
     }
 

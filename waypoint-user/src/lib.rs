@@ -4,8 +4,10 @@
 
 pub mod admin;
 pub mod app;
+pub mod cli;
 pub mod config;
 pub mod dataplane;
+pub mod horizon;
 pub mod metrics;
 pub mod model;
 pub mod registry;

@@ -17,7 +17,13 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run the daemon.
-    Run(waypoint::config::Config),
+    Run(Box<waypoint::config::Config>),
+    /// Print what a source in a cluster dials for each endpoint of a service port (the
+    /// split-horizon view), read from the registry.
+    Resolve(waypoint::cli::ResolveArgs),
+    /// Manage registry records by hand (workloads outside Kubernetes, labs).
+    #[command(subcommand)]
+    Registry(waypoint::cli::RegistryCommand),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -25,6 +31,8 @@ fn main() -> anyhow::Result<()> {
     waypoint::telemetry::init();
     let runtime = tokio::runtime::Runtime::new()?;
     match cli.command {
-        Command::Run(config) => runtime.block_on(waypoint::app::run(config)),
+        Command::Run(config) => runtime.block_on(waypoint::app::run(*config)),
+        Command::Resolve(args) => runtime.block_on(waypoint::cli::resolve(args)),
+        Command::Registry(cmd) => runtime.block_on(waypoint::cli::registry(cmd)),
     }
 }

@@ -152,15 +152,22 @@ fn fuzz(root: &Path, seconds: u32) -> anyhow::Result<()> {
             std::fs::copy(&path, corpus.join(name))?;
         }
     }
-    run(cargo(root)
+    // cargo-fuzz needs a nightly compiler (sanitizers); `rustup run` because the cargo
+    // running xtask may be a plain binary that does not understand `+nightly`.
+    run(Command::new("rustup")
+        .current_dir(root)
         .args([
-            "+nightly",
+            "run",
+            "nightly",
+            "cargo",
             "fuzz",
             "run",
             "--fuzz-dir",
             "fuzz",
             "client_hello",
         ])
+        .env_remove("RUSTUP_TOOLCHAIN")
+        .env_remove("CARGO")
         .arg(&corpus)
         .arg("--")
         .arg(format!("-max_total_time={seconds}")))

@@ -1,0 +1,319 @@
+//! The operator tools: `waypoint resolve` (the split-horizon view of a service port, read
+//! straight from the registry) and `waypoint registry put|list|delete` (records by hand,
+//! for workloads outside Kubernetes and for labs).
+
+use std::{io::Write as _, net::IpAddr};
+
+use anyhow::Context as _;
+use serde::Serialize;
+
+use crate::{
+    horizon::{self, Mode, Query},
+    model::Endpoint,
+    registry::{
+        self,
+        etcd::{self, Connector, TlsArgs},
+        record,
+    },
+};
+
+/// Where the tools read and write.
+#[derive(Clone, Debug, clap::Args)]
+pub struct Source {
+    /// The registry: `file:PATH` or `etcd:URL[,URL...]`, as for `waypoint run`.
+    #[arg(long, env = "WAYPOINT_REGISTRY")]
+    pub registry: registry::Location,
+
+    // --etcd-ca, --etcd-cert, --etcd-key.
+    #[command(flatten)]
+    pub etcd: TlsArgs,
+}
+
+impl Source {
+    fn connector(&self) -> anyhow::Result<Connector> {
+        match &self.registry {
+            registry::Location::Etcd(urls) => Ok(Connector::new(urls.clone(), &self.etcd)?),
+            registry::Location::File(p) => anyhow::bail!(
+                "{} is a file registry: edit the file instead (registry commands need etcd:URL)",
+                p.display()
+            ),
+        }
+    }
+
+    /// Every endpoint the registry holds now; skipped records are reported on stderr.
+    async fn endpoints(&self) -> anyhow::Result<Vec<(String, Endpoint)>> {
+        match &self.registry {
+            registry::Location::File(p) => Ok(registry::file::load(p)?
+                .endpoints
+                .into_iter()
+                .map(|e| (record::key(&e).unwrap_or_default(), e))
+                .collect()),
+            registry::Location::Etcd(_) => {
+                let listing = etcd::snapshot(&self.connector()?)
+                    .await
+                    .context("listing the registry")?;
+                for (key, skip) in &listing.skipped {
+                    eprintln!("skipped {key}: {skip}");
+                }
+                Ok(listing.endpoints.into_iter().collect())
+            }
+        }
+    }
+}
+
+/// Output format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Output {
+    /// Aligned columns for people.
+    Table,
+    /// JSON for programs (the same document as the admin API's `/v1/resolve`).
+    Json,
+}
+
+/// `waypoint resolve`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct ResolveArgs {
+    /// The service port: `<service>.<namespace>:<port>`, e.g. `reviews.bookinfo:9080`.
+    pub target: Query,
+
+    // --registry and the etcd TLS flags.
+    #[command(flatten)]
+    pub source: Source,
+
+    /// The viewer's cluster: whose horizon to show.
+    #[arg(long, env = "WAYPOINT_CLUSTER", default_value = "local")]
+    pub cluster: String,
+
+    /// The viewer's node (with `--east-west-waypoint always`, pods there stay direct).
+    #[arg(long, env = "WAYPOINT_NODE_NAME", default_value = "local")]
+    pub node: String,
+
+    /// The viewer's region (for locality priorities).
+    #[arg(long, env = "WAYPOINT_REGION", default_value = "")]
+    pub region: String,
+
+    /// The viewer's zone (for locality priorities).
+    #[arg(long, env = "WAYPOINT_ZONE", default_value = "")]
+    pub zone: String,
+
+    /// Split-horizon mode: `off`, `cross-cluster` or `always` (see `waypoint run --help`).
+    #[arg(
+        long,
+        env = "WAYPOINT_EAST_WEST_WAYPOINT",
+        value_enum,
+        default_value = "off"
+    )]
+    pub east_west_waypoint: Mode,
+
+    /// The mesh domain of structured SNIs.
+    #[arg(long, env = "WAYPOINT_MESH_DOMAIN", default_value = "mesh.local")]
+    pub mesh_domain: String,
+
+    /// The port waypoints listen on at their node IP.
+    #[arg(long, env = "WAYPOINT_TUNNEL_PORT", default_value_t = 15443)]
+    pub tunnel_port: u16,
+
+    /// The pods' inbound port.
+    #[arg(long, env = "WAYPOINT_POD_PORT", default_value_t = 15008)]
+    pub pod_port: u16,
+
+    /// `table` or `json`.
+    #[arg(long, short, value_enum, default_value = "table")]
+    pub output: Output,
+}
+
+/// `waypoint registry ...`.
+#[derive(Clone, Debug, clap::Subcommand)]
+pub enum RegistryCommand {
+    /// Write one endpoint record, with no lease: it stays until `registry delete`.
+    Put(Box<PutArgs>),
+    /// List every record under the root (all clusters).
+    List(ListArgs),
+    /// Delete records by key (as `list` prints them), or every key under a prefix.
+    Delete(DeleteArgs),
+}
+
+/// `waypoint registry put`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct PutArgs {
+    // --registry and the etcd TLS flags.
+    #[command(flatten)]
+    pub source: Source,
+
+    /// The whole record as JSON (the fields of the file registry's endpoints, e.g.
+    /// `{"service":"reviews","namespace":"bookinfo","cluster":"b","pod_ip":"10.2.0.7",
+    /// "node_name":"b1","node_ip":"192.168.1.2","ports":[9080],"exported":true}`).
+    /// Replaces the per-field flags.
+    #[arg(long, conflicts_with_all = ["service", "namespace", "cluster", "pod_ip", "node"])]
+    pub json: Option<String>,
+
+    /// Service name.
+    #[arg(long, required_unless_present = "json")]
+    pub service: Option<String>,
+    /// Namespace.
+    #[arg(long, required_unless_present = "json")]
+    pub namespace: Option<String>,
+    /// The pod's cluster.
+    #[arg(long, required_unless_present = "json")]
+    pub cluster: Option<String>,
+    /// The pod's IP.
+    #[arg(long, required_unless_present = "json")]
+    pub pod_ip: Option<IpAddr>,
+    /// The pod's node.
+    #[arg(long, required_unless_present = "json")]
+    pub node: Option<String>,
+    /// The node's IP, routable from other clusters.
+    #[arg(long)]
+    pub node_ip: Option<IpAddr>,
+    /// The pod's name (default: its IP in the key).
+    #[arg(long, default_value = "")]
+    pub pod_name: String,
+    /// Region.
+    #[arg(long, default_value = "")]
+    pub region: String,
+    /// Zone.
+    #[arg(long, default_value = "")]
+    pub zone: String,
+    /// Service account.
+    #[arg(long, default_value = "")]
+    pub service_account: String,
+    /// A served port (repeat for several; none means any).
+    #[arg(long = "port")]
+    pub ports: Vec<u16>,
+    /// Mark the pod not ready.
+    #[arg(long)]
+    pub not_ready: bool,
+    /// Mark the service exported to other clusters.
+    #[arg(long)]
+    pub exported: bool,
+}
+
+impl PutArgs {
+    fn endpoint(&self) -> anyhow::Result<Endpoint> {
+        if let Some(json) = &self.json {
+            return serde_json::from_str(json).context("--json is not an endpoint record");
+        }
+        // clap enforces these unless --json is given.
+        let need = |v: &Option<String>, flag: &str| {
+            v.clone()
+                .with_context(|| format!("--{flag} is required without --json"))
+        };
+        Ok(Endpoint {
+            service: need(&self.service, "service")?,
+            namespace: need(&self.namespace, "namespace")?,
+            cluster: need(&self.cluster, "cluster")?,
+            region: self.region.clone(),
+            zone: self.zone.clone(),
+            pod_ip: self.pod_ip.context("--pod-ip is required without --json")?,
+            pod_name: self.pod_name.clone(),
+            node_name: need(&self.node, "node")?,
+            node_ip: self.node_ip,
+            service_account: self.service_account.clone(),
+            ports: self.ports.clone(),
+            ready: !self.not_ready,
+            exported: self.exported,
+        })
+    }
+}
+
+/// `waypoint registry list`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct ListArgs {
+    // --registry and the etcd TLS flags.
+    #[command(flatten)]
+    pub source: Source,
+
+    /// `table` or `json`.
+    #[arg(long, short, value_enum, default_value = "table")]
+    pub output: Output,
+}
+
+/// `waypoint registry delete`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct DeleteArgs {
+    // --registry and the etcd TLS flags.
+    #[command(flatten)]
+    pub source: Source,
+
+    /// Keys to delete, as `registry list` prints them (under /aether/v1/regions/).
+    #[arg(required = true)]
+    pub keys: Vec<String>,
+
+    /// Delete every key under each given key prefix (e.g. a whole node's records).
+    #[arg(long)]
+    pub prefix: bool,
+}
+
+/// Runs `waypoint resolve`.
+pub async fn resolve(args: ResolveArgs) -> anyhow::Result<()> {
+    let endpoints = args.source.endpoints().await?;
+    let viewer = horizon::Viewer {
+        cluster: args.cluster,
+        node: args.node,
+        region: args.region,
+        zone: args.zone,
+        mode: args.east_west_waypoint,
+        mesh_domain: args.mesh_domain,
+        tunnel_port: args.tunnel_port,
+        pod_port: args.pod_port,
+    };
+    let view = horizon::resolve(&viewer, &args.target, endpoints.iter().map(|(_, e)| e));
+    let out = match args.output {
+        Output::Table => view.table(),
+        Output::Json => serde_json::to_string_pretty(&view)? + "\n",
+    };
+    std::io::stdout().write_all(out.as_bytes())?;
+    Ok(())
+}
+
+#[derive(Serialize)]
+struct Listed<'a> {
+    key: &'a str,
+    #[serde(flatten)]
+    endpoint: &'a Endpoint,
+}
+
+/// Runs `waypoint registry ...`.
+pub async fn registry(cmd: RegistryCommand) -> anyhow::Result<()> {
+    let mut stdout = std::io::stdout();
+    match cmd {
+        RegistryCommand::Put(args) => {
+            let ep = args.endpoint()?;
+            let mut client = args.source.connector()?.connect().await?;
+            let key = etcd::put(&mut client, &ep).await?;
+            writeln!(stdout, "{key}")?;
+        }
+        RegistryCommand::List(args) => {
+            args.source.connector()?;
+            let endpoints = args.source.endpoints().await?;
+            match args.output {
+                Output::Json => {
+                    let listed: Vec<Listed<'_>> = endpoints
+                        .iter()
+                        .map(|(key, endpoint)| Listed { key, endpoint })
+                        .collect();
+                    writeln!(stdout, "{}", serde_json::to_string_pretty(&listed)?)?;
+                }
+                Output::Table => {
+                    for (key, e) in &endpoints {
+                        let node_ip = e.node_ip.map(|i| i.to_string()).unwrap_or("-".into());
+                        writeln!(
+                            stdout,
+                            "{key}  pod_ip={} node_ip={node_ip} ports={:?} ready={} exported={}",
+                            e.pod_ip, e.ports, e.ready, e.exported
+                        )?;
+                    }
+                }
+            }
+        }
+        RegistryCommand::Delete(args) => {
+            let mut client = args.source.connector()?.connect().await?;
+            let mut total = 0;
+            for key in &args.keys {
+                total += etcd::delete(&mut client, key, args.prefix).await?;
+            }
+            writeln!(stdout, "deleted {total}")?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,715 @@
+//! The etcd registry: the [`Watcher`] mirrors every cluster's records under
+//! [`record::ROOT`] into the [`Store`]; the [`Registrar`] keeps this node's own endpoints
+//! registered under a per-node lease. Layout and semantics: docs/REGISTRY.md.
+//!
+//! Both survive etcd going away: the watcher keeps serving the last state it had (the
+//! store is only ever replaced by a complete, consistent view), the registrar re-grants
+//! and re-writes when it can reach etcd again. Retries back off with `backon`.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+    path::{Path, PathBuf},
+    time::{Duration, SystemTime},
+};
+
+use backon::{BackoffBuilder as _, ExponentialBuilder};
+use etcd_client::{
+    Certificate, Client, ConnectOptions, DeleteOptions, EventType, GetOptions, Identity,
+    PutOptions, TlsOptions, WatchOptions,
+};
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::{
+    model::Endpoint,
+    registry::{metrics::Metrics, record},
+    store::{Snapshot, Store},
+};
+
+/// Errors of the etcd registry.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A TLS file could not be read.
+    #[error("reading {what} {path}: {source}")]
+    ReadTls {
+        /// Which file (CA, certificate, key).
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// `--etcd-cert` and `--etcd-key` go together.
+    #[error("--etcd-cert and --etcd-key must be given together")]
+    HalfIdentity,
+    /// No endpoint URL.
+    #[error("no etcd endpoint: use --registry etcd:http://HOST:2379[,http://HOST2:2379...]")]
+    NoEndpoints,
+    /// An etcd request failed.
+    #[error("etcd: {0}")]
+    Etcd(#[from] etcd_client::Error),
+    /// The watch stream ended without an error.
+    #[error("etcd closed the watch stream")]
+    WatchClosed,
+    /// The keepalive stream ended or said the lease is gone.
+    #[error("the node's lease {0:x} was lost (expired or revoked)")]
+    LeaseLost(i64),
+    /// A record could not be keyed.
+    #[error(transparent)]
+    Key(#[from] record::KeyError),
+    /// The local endpoints file could not be read.
+    #[error("reading local endpoints file {path}: {source}")]
+    ReadLocal {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The local endpoints file is not valid.
+    #[error("parsing local endpoints file {path}: {source}")]
+    ParseLocal {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: serde_json::Error,
+    },
+    /// A key passed to a tool is outside the root.
+    #[error("{0:?} is not under the registry root {root}", root = record::ROOT)]
+    OutsideRoot(String),
+}
+
+/// TLS settings for etcd (use `https://` endpoint URLs with them).
+#[derive(Clone, Debug, Default, clap::Args)]
+pub struct TlsArgs {
+    /// etcd: PEM file of the CA that signed etcd's server certificate. Enables TLS.
+    #[arg(long, env = "WAYPOINT_ETCD_CA")]
+    pub etcd_ca: Option<PathBuf>,
+
+    /// etcd: PEM client certificate (mutual TLS); needs --etcd-key.
+    #[arg(long, env = "WAYPOINT_ETCD_CERT", requires = "etcd_key")]
+    pub etcd_cert: Option<PathBuf>,
+
+    /// etcd: PEM private key of --etcd-cert.
+    #[arg(long, env = "WAYPOINT_ETCD_KEY", requires = "etcd_cert")]
+    pub etcd_key: Option<PathBuf>,
+}
+
+/// How to reach etcd: endpoint URLs and connect options, TLS material already read (so a
+/// missing file fails at start, not at the first reconnect).
+#[derive(Clone)]
+pub struct Connector {
+    endpoints: Vec<String>,
+    tls: Option<TlsOptions>,
+}
+
+impl std::fmt::Debug for Connector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connector")
+            .field("endpoints", &self.endpoints)
+            .field("tls", &self.tls.is_some())
+            .finish()
+    }
+}
+
+/// The HTTP/2 keepalive that detects a silently dead connection (a partition gives no
+/// RST): ping every 5s, give up after 5s more.
+const KEEPALIVE: (Duration, Duration) = (Duration::from_secs(5), Duration::from_secs(5));
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// Bound on unary requests (get, put, grant); the watch stream is not bounded by it.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+
+fn read(what: &'static str, path: &Path) -> Result<Vec<u8>, Error> {
+    std::fs::read(path).map_err(|source| Error::ReadTls {
+        what,
+        path: path.to_owned(),
+        source,
+    })
+}
+
+impl Connector {
+    /// Builds a connector for `endpoints` (URLs, e.g. `http://10.0.0.1:2379`).
+    pub fn new(endpoints: Vec<String>, tls: &TlsArgs) -> Result<Connector, Error> {
+        if endpoints.is_empty() {
+            return Err(Error::NoEndpoints);
+        }
+        let mut opts = None;
+        if let Some(ca) = &tls.etcd_ca {
+            opts = Some(TlsOptions::new().ca_certificate(Certificate::from_pem(read("CA", ca)?)));
+        }
+        match (&tls.etcd_cert, &tls.etcd_key) {
+            (Some(cert), Some(key)) => {
+                let id = Identity::from_pem(read("client certificate", cert)?, read("key", key)?);
+                opts = Some(opts.unwrap_or_default().identity(id));
+            }
+            (None, None) => {}
+            _ => return Err(Error::HalfIdentity),
+        }
+        Ok(Connector {
+            endpoints,
+            tls: opts,
+        })
+    }
+
+    /// The endpoint URLs.
+    pub fn endpoints(&self) -> &[String] {
+        &self.endpoints
+    }
+
+    /// Opens a client.
+    pub async fn connect(&self) -> Result<Client, Error> {
+        let mut opts = ConnectOptions::new()
+            .with_connect_timeout(CONNECT_TIMEOUT)
+            .with_timeout(REQUEST_TIMEOUT)
+            .with_keep_alive(KEEPALIVE.0, KEEPALIVE.1)
+            .with_keep_alive_while_idle(true);
+        if let Some(tls) = &self.tls {
+            opts = opts.with_tls(tls.clone());
+        }
+        Ok(Client::connect(&self.endpoints, Some(opts)).await?)
+    }
+}
+
+fn backoff() -> ExponentialBuilder {
+    ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(100))
+        .with_max_delay(Duration::from_secs(5))
+        .with_jitter()
+        .without_max_times()
+}
+
+/// Sleeps `d` unless `stop` comes first; returns whether to go on.
+async fn pause_for(d: Duration, stop: &CancellationToken) -> bool {
+    tokio::select! {
+        _ = stop.cancelled() => false,
+        _ = tokio::time::sleep(d) => true,
+    }
+}
+
+/// Every valid record under the root at one revision, plus the skipped ones counted.
+#[derive(Debug, Default)]
+pub struct Listing {
+    /// Endpoints by key.
+    pub endpoints: BTreeMap<String, Endpoint>,
+    /// The etcd revision of the listing.
+    pub revision: i64,
+    /// Keys that were skipped, with why.
+    pub skipped: Vec<(String, record::Skip)>,
+}
+
+/// Lists the whole root in one consistent read.
+pub async fn list(client: &mut Client) -> Result<Listing, Error> {
+    let resp = client
+        .get(record::ROOT, Some(GetOptions::new().with_prefix()))
+        .await?;
+    let mut out = Listing {
+        revision: resp.header().map(|h| h.revision()).unwrap_or_default(),
+        ..Listing::default()
+    };
+    for kv in resp.kvs() {
+        let key = String::from_utf8_lossy(kv.key()).into_owned();
+        match record::decode(kv.key(), kv.value()) {
+            Ok(ep) => {
+                out.endpoints.insert(key, ep);
+            }
+            Err(skip) => out.skipped.push((key, skip)),
+        }
+    }
+    Ok(out)
+}
+
+/// Writes one record (tools; no lease: it stays until deleted). Returns its key.
+pub async fn put(client: &mut Client, ep: &Endpoint) -> Result<String, Error> {
+    let key = record::key(ep)?;
+    client.put(key.clone(), record::encode(ep), None).await?;
+    Ok(key)
+}
+
+/// Deletes one key, or every key under it when `prefix`; returns how many went. Only keys
+/// under the root may be deleted: a typo must not wipe someone else's data.
+pub async fn delete(client: &mut Client, key: &str, prefix: bool) -> Result<i64, Error> {
+    if !key.starts_with(record::ROOT) {
+        return Err(Error::OutsideRoot(key.to_owned()));
+    }
+    let opts = prefix.then(|| DeleteOptions::new().with_prefix());
+    Ok(client.delete(key, opts).await?.deleted())
+}
+
+/// Control of a running watcher.
+#[derive(Debug)]
+pub struct WatcherHandle {
+    pause: watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl WatcherHandle {
+    /// Pauses (`true`) or resumes (`false`) the watch. Paused, the watcher drops its watch
+    /// and holds on to the revision it reached; resumed, it watches again from the next
+    /// revision, as after a network blip. For tests (to fall behind a compaction) and
+    /// debugging.
+    pub fn set_paused(&self, paused: bool) {
+        self.pause.send_replace(paused);
+    }
+
+    /// Stops the watcher now.
+    pub fn abort(&self) {
+        self.task.abort();
+    }
+}
+
+/// Mirrors the registry root into a [`Store`].
+#[derive(Debug)]
+pub struct Watcher {
+    connector: Connector,
+    store: Store,
+    metrics: Metrics,
+}
+
+/// Why a watch session ended without an error.
+enum Next {
+    /// Relist (compaction, cancellation): the watch cannot resume where it was.
+    Relist(&'static str),
+    /// Watch again from the revision reached (after a pause).
+    Resume,
+}
+
+impl Watcher {
+    /// A watcher that will feed `store`.
+    pub fn new(connector: Connector, store: Store, metrics: Metrics) -> Watcher {
+        Watcher {
+            connector,
+            store,
+            metrics,
+        }
+    }
+
+    /// Runs the watcher in a task until `stop`.
+    pub fn spawn(self, stop: CancellationToken) -> WatcherHandle {
+        let (pause, paused) = watch::channel(false);
+        let task = tokio::spawn(self.run(paused, stop));
+        WatcherHandle { pause, task }
+    }
+
+    async fn run(self, mut paused: watch::Receiver<bool>, stop: CancellationToken) {
+        let mut cache = BTreeMap::new();
+        let mut revision = 0;
+        // Relist when Some: at start, after any error, after compaction.
+        let mut relist: Option<&'static str> = Some("initial");
+        let mut delays = backoff().build();
+        loop {
+            let session = self.session(&mut cache, &mut revision, relist, &mut paused);
+            let result = tokio::select! {
+                _ = stop.cancelled() => return,
+                r = session => r,
+            };
+            match result {
+                Ok(Next::Relist(reason)) => {
+                    info!(reason, revision, "registry: relisting");
+                    relist = Some(reason);
+                    delays = backoff().build();
+                }
+                Ok(Next::Resume) => {
+                    relist = None;
+                    delays = backoff().build();
+                }
+                Err(e) => {
+                    let delay = delays.next().unwrap_or(Duration::from_secs(5));
+                    if self.metrics.is_connected() {
+                        warn!(error = %e, "registry: lost etcd; serving the last known state");
+                    } else {
+                        debug!(error = %e, ?delay, "registry: etcd still unreachable");
+                    }
+                    self.metrics.disconnected(e.to_string());
+                    // A broken watch may have missed anything: relist on reconnect, so a
+                    // delete made meanwhile cannot survive in the cache.
+                    relist = Some("reconnected");
+                    if !pause_for(delay, &stop).await {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    fn publish(&self, cache: &BTreeMap<String, Endpoint>, revision: i64) {
+        self.store
+            .replace(Snapshot::new(cache.values().cloned(), true));
+        self.metrics.synced(revision, cache.len());
+    }
+
+    /// One connection: (re)list if asked, then watch until something breaks.
+    async fn session(
+        &self,
+        cache: &mut BTreeMap<String, Endpoint>,
+        revision: &mut i64,
+        relist: Option<&'static str>,
+        paused: &mut watch::Receiver<bool>,
+    ) -> Result<Next, Error> {
+        // While paused, hold the last state and do nothing.
+        while *paused.borrow_and_update() {
+            if paused.changed().await.is_err() {
+                // The handle is gone: nobody can resume us, so do not stay paused.
+                break;
+            }
+        }
+        let mut pause_open = true;
+        let mut client = self.connector.connect().await?;
+        if let Some(reason) = relist {
+            let listing = list(&mut client).await?;
+            for (key, skip) in &listing.skipped {
+                debug!(key, error = %skip, "registry: record skipped");
+                self.metrics.skip(skip.reason());
+            }
+            if reason != "initial" {
+                self.metrics.relist(reason);
+            }
+            // Replace, never merge: whatever was deleted while we were not looking is
+            // absent from the listing and so leaves the store.
+            *cache = listing.endpoints;
+            *revision = listing.revision;
+            self.publish(cache, *revision);
+            info!(
+                revision,
+                endpoints = cache.len(),
+                skipped = listing.skipped.len(),
+                "registry: listed"
+            );
+        }
+        let opts = WatchOptions::new()
+            .with_prefix()
+            .with_start_revision(*revision + 1)
+            .with_progress_notify();
+        let mut stream = client.watch(record::ROOT, Some(opts)).await?;
+        loop {
+            let msg = tokio::select! {
+                changed = paused.changed(), if pause_open => {
+                    if changed.is_err() {
+                        pause_open = false;
+                    } else if *paused.borrow() {
+                        debug!(revision, "registry: watch paused");
+                        return Ok(Next::Resume);
+                    }
+                    continue;
+                }
+                m = stream.message() => m?,
+            };
+            let Some(resp) = msg else {
+                return Err(Error::WatchClosed);
+            };
+            if resp.compact_revision() > 0 {
+                warn!(
+                    revision,
+                    compacted = resp.compact_revision(),
+                    "registry: watch fell behind a compaction"
+                );
+                return Ok(Next::Relist("compacted"));
+            }
+            if resp.canceled() {
+                warn!(
+                    reason = resp.cancel_reason(),
+                    "registry: watch canceled by etcd"
+                );
+                return Ok(Next::Relist("watch_canceled"));
+            }
+            for ev in resp.events() {
+                let Some(kv) = ev.kv() else { continue };
+                let key = String::from_utf8_lossy(kv.key()).into_owned();
+                match ev.event_type() {
+                    EventType::Put => match record::decode(kv.key(), kv.value()) {
+                        Ok(ep) => {
+                            cache.insert(key, ep);
+                        }
+                        Err(skip) => {
+                            debug!(key, error = %skip, "registry: record skipped");
+                            self.metrics.skip(skip.reason());
+                            // What etcd holds at this key is no endpoint any more.
+                            cache.remove(&key);
+                        }
+                    },
+                    EventType::Delete => {
+                        cache.remove(&key);
+                    }
+                }
+            }
+            if let Some(h) = resp.header() {
+                *revision = (*revision).max(h.revision());
+            }
+            self.publish(cache, *revision);
+        }
+    }
+}
+
+/// One of this node's pods, as listed in `--local-endpoints`. The cluster, node, node IP
+/// and locality come from the daemon's own flags.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LocalEndpoint {
+    /// Service name.
+    pub service: String,
+    /// Namespace.
+    pub namespace: String,
+    /// The pod's IP.
+    pub pod_ip: IpAddr,
+    /// The pod's name (the key uses the pod IP when empty).
+    #[serde(default)]
+    pub pod_name: String,
+    /// The pod's service account.
+    #[serde(default)]
+    pub service_account: String,
+    /// Served ports; empty means any.
+    #[serde(default)]
+    pub ports: Vec<u16>,
+    /// Whether the pod is ready.
+    #[serde(default = "yes")]
+    pub ready: bool,
+    /// Whether the service is exported.
+    #[serde(default)]
+    pub exported: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// The `--local-endpoints` document.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LocalDocument {
+    /// This node's pods.
+    pub endpoints: Vec<LocalEndpoint>,
+}
+
+/// Who this node is: stamped on every record it registers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeIdentity {
+    /// Cluster.
+    pub cluster: String,
+    /// Node name.
+    pub node: String,
+    /// Node IP (None: other clusters cannot reach these pods through the waypoint).
+    pub node_ip: Option<IpAddr>,
+    /// Region.
+    pub region: String,
+    /// Zone.
+    pub zone: String,
+}
+
+impl NodeIdentity {
+    /// The full endpoint of a local pod.
+    pub fn endpoint(&self, l: &LocalEndpoint) -> Endpoint {
+        Endpoint {
+            service: l.service.clone(),
+            namespace: l.namespace.clone(),
+            cluster: self.cluster.clone(),
+            region: self.region.clone(),
+            zone: self.zone.clone(),
+            pod_ip: l.pod_ip,
+            pod_name: l.pod_name.clone(),
+            node_name: self.node.clone(),
+            node_ip: self.node_ip,
+            service_account: l.service_account.clone(),
+            ports: l.ports.clone(),
+            ready: l.ready,
+            exported: l.exported,
+        }
+    }
+}
+
+/// Reads a `--local-endpoints` file.
+pub fn load_local(path: &Path) -> Result<LocalDocument, Error> {
+    let text = std::fs::read(path).map_err(|source| Error::ReadLocal {
+        path: path.to_owned(),
+        source,
+    })?;
+    serde_json::from_slice(&text).map_err(|source| Error::ParseLocal {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+fn stamp(path: &Path) -> Option<(SystemTime, u64)> {
+    let m = std::fs::metadata(path).ok()?;
+    Some((m.modified().ok()?, m.len()))
+}
+
+/// Where the registrar's endpoints come from.
+#[derive(Clone, Debug)]
+pub enum LocalSource {
+    /// A fixed set (tests, tools).
+    Fixed(Vec<LocalEndpoint>),
+    /// A `--local-endpoints` file, re-read when it changes.
+    File(PathBuf),
+}
+
+/// Keeps this node's endpoints registered under its lease.
+#[derive(Debug)]
+pub struct Registrar {
+    connector: Connector,
+    identity: NodeIdentity,
+    source: LocalSource,
+    ttl: Duration,
+    metrics: Metrics,
+}
+
+/// How often the local endpoints file is checked for changes.
+const LOCAL_POLL: Duration = Duration::from_secs(1);
+/// Bound on the lease revoke at shutdown: a dead etcd must not hold up the drain.
+const REVOKE_TIMEOUT: Duration = Duration::from_secs(2);
+
+impl Registrar {
+    /// A registrar for `identity`'s endpoints from `source`, under a lease of `ttl`
+    /// (whole seconds, at least 1: etcd's unit).
+    pub fn new(
+        connector: Connector,
+        identity: NodeIdentity,
+        source: LocalSource,
+        ttl: Duration,
+        metrics: Metrics,
+    ) -> Registrar {
+        Registrar {
+            connector,
+            identity,
+            source,
+            ttl,
+            metrics,
+        }
+    }
+
+    fn desired(&self) -> Result<BTreeMap<String, Vec<u8>>, Error> {
+        let locals = match &self.source {
+            LocalSource::Fixed(v) => v.clone(),
+            LocalSource::File(p) => load_local(p)?.endpoints,
+        };
+        locals
+            .iter()
+            .map(|l| {
+                let ep = self.identity.endpoint(l);
+                Ok((record::key(&ep)?, record::encode(&ep)))
+            })
+            .collect()
+    }
+
+    /// Registers and keeps the registration alive until `stop`, then revokes the lease
+    /// (the node's records vanish at once instead of at lease expiry). Errors are retried
+    /// with backoff, forever: a registrar gives up only when told to stop.
+    pub async fn run(self, stop: CancellationToken) {
+        let mut delays = backoff().build();
+        loop {
+            let grants = self.metrics.lease_grants();
+            match self.session(&stop).await {
+                Ok(()) => return,
+                Err(e) => {
+                    // A session that got as far as a lease worked: start the backoff over.
+                    if self.metrics.lease_grants() > grants {
+                        delays = backoff().build();
+                    }
+                    let delay = delays.next().unwrap_or(Duration::from_secs(5));
+                    warn!(error = %e, ?delay, "registrar: registration lost; retrying");
+                    if !pause_for(delay, &stop).await {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    async fn session(&self, stop: &CancellationToken) -> Result<(), Error> {
+        let mut client = tokio::select! {
+            _ = stop.cancelled() => return Ok(()),
+            c = self.connector.connect() => c?,
+        };
+        let ttl = i64::try_from(self.ttl.as_secs().max(1)).unwrap_or(i64::MAX);
+        let lease = client.lease_grant(ttl, None).await?.id();
+        self.metrics.lease_granted();
+        let (mut keeper, mut acks) = client.lease_keep_alive(lease).await?;
+        let mut written = BTreeSet::new();
+        let mut last_stamp = match &self.source {
+            LocalSource::File(p) => stamp(p),
+            LocalSource::Fixed(_) => None,
+        };
+        let desired = self.desired()?;
+        self.sync(&mut client, lease, &desired, &mut written)
+            .await?;
+        info!(
+            lease = format!("{lease:x}"),
+            ttl,
+            endpoints = written.len(),
+            "registrar: registered"
+        );
+        // Renew at a third of the TTL: two renewals may be lost before the lease expires.
+        let mut renew = tokio::time::interval((self.ttl / 3).max(Duration::from_millis(300)));
+        let mut poll = tokio::time::interval(LOCAL_POLL);
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => {
+                    match tokio::time::timeout(REVOKE_TIMEOUT, client.lease_revoke(lease)).await {
+                        Ok(Ok(_)) => info!(lease = format!("{lease:x}"), "registrar: lease revoked"),
+                        Ok(Err(e)) => warn!(error = %e, "registrar: revoking the lease failed; its records expire with it"),
+                        Err(_) => warn!("registrar: revoking the lease timed out; its records expire with it"),
+                    }
+                    self.metrics.set_registered(0);
+                    return Ok(());
+                }
+                _ = renew.tick() => keeper.keep_alive().await?,
+                ack = acks.message() => match ack? {
+                    Some(a) if a.ttl() > 0 => {}
+                    _ => return Err(Error::LeaseLost(lease)),
+                },
+                _ = poll.tick(), if matches!(self.source, LocalSource::File(_)) => {
+                    let LocalSource::File(path) = &self.source else { continue };
+                    let now = stamp(path);
+                    if now == last_stamp {
+                        continue;
+                    }
+                    last_stamp = now;
+                    match self.desired() {
+                        Ok(desired) => {
+                            self.sync(&mut client, lease, &desired, &mut written).await?;
+                            info!(endpoints = written.len(), "registrar: local endpoints changed");
+                        }
+                        Err(e) => warn!(error = %e, "registrar: local endpoints not reloaded; keeping the registered ones"),
+                    }
+                }
+            }
+        }
+    }
+
+    /// Makes etcd hold exactly `desired` among the keys this registrar wrote.
+    async fn sync(
+        &self,
+        client: &mut Client,
+        lease: i64,
+        desired: &BTreeMap<String, Vec<u8>>,
+        written: &mut BTreeSet<String>,
+    ) -> Result<(), Error> {
+        for (key, value) in desired {
+            client
+                .put(
+                    key.clone(),
+                    value.clone(),
+                    Some(PutOptions::new().with_lease(lease)),
+                )
+                .await?;
+            written.insert(key.clone());
+        }
+        let gone: Vec<String> = written
+            .iter()
+            .filter(|k| !desired.contains_key(*k))
+            .cloned()
+            .collect();
+        for key in gone {
+            client.delete(key.clone(), None).await?;
+            written.remove(&key);
+        }
+        self.metrics.set_registered(written.len());
+        Ok(())
+    }
+}
+
+/// The endpoints of a registry location at one point in time (for `waypoint resolve`).
+pub async fn snapshot(connector: &Connector) -> Result<Listing, Error> {
+    let mut client = connector.connect().await?;
+    list(&mut client).await
+}
