@@ -21,6 +21,9 @@ APT_PACKAGES=(
   bpftool
   # Tests and demo: a real etcd, network namespaces, a TLS client to record hellos.
   etcd-server etcd-client iproute2 openssl procps
+  # Two-cluster e2e and demo: nft for the nodes' pod masquerade (Flannel's ip-masq); curl
+  # for exploring the admin endpoints of a kept demo.
+  nftables curl
   # Benchmark peers.
   nginx libnginx-mod-stream haproxy
   # Build helpers.

@@ -33,6 +33,17 @@ enum Task {
         #[command(subcommand)]
         which: Bench,
     },
+    /// The two-cluster demo (root): builds the release binaries, sets up two clusters on
+    /// network namespaces with etcd and a waypoint per node, shows a request crossing
+    /// them, then cleans up.
+    Demo {
+        /// Leave everything running to explore (`waypoint-e2e cleanup` removes it).
+        #[arg(long)]
+        keep: bool,
+        /// The waypoints' dataplane: ebpf, splice, copy or auto.
+        #[arg(long, default_value = "ebpf")]
+        dataplane: String,
+    },
     /// Fuzz the ClientHello/SNI parser for a while (cargo-fuzz, nightly).
     Fuzz {
         /// How long, in seconds.
@@ -85,6 +96,7 @@ fn main() -> anyhow::Result<()> {
         Task::BuildEbpf => build_ebpf(&root),
         Task::Test { no_lint } => test(&root, no_lint),
         Task::Fuzz { seconds } => fuzz(&root, seconds),
+        Task::Demo { keep, dataplane } => demo(&root, keep, &dataplane),
         Task::Bench {
             which: Bench::Dataplane { quick, json },
         } => {
@@ -99,6 +111,24 @@ fn main() -> anyhow::Result<()> {
             run(&mut c)
         }
     }
+}
+
+fn demo(root: &Path, keep: bool, dataplane: &str) -> anyhow::Result<()> {
+    run(cargo(root).args([
+        "build",
+        "--release",
+        "-p",
+        "waypoint-user",
+        "-p",
+        "waypoint-e2e",
+        "--bins",
+    ]))?;
+    let mut c = Command::new(root.join("target/release/waypoint-e2e"));
+    c.args(["demo", "--dataplane", dataplane]);
+    if keep {
+        c.arg("--keep");
+    }
+    run(&mut c)
 }
 
 fn build_ebpf(root: &Path) -> anyhow::Result<()> {
