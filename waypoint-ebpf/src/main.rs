@@ -12,7 +12,10 @@
 #![no_main]
 
 use aya_ebpf::{
-    bindings::sk_action::{SK_DROP, SK_PASS},
+    bindings::{
+        sk_action::{SK_DROP, SK_PASS},
+        BPF_F_NO_PREALLOC,
+    },
     helpers::bpf_get_socket_cookie,
     macros::{map, stream_verdict},
     maps::{HashMap, PerCpuArray, SockHash},
@@ -23,11 +26,20 @@ use waypoint_common::{FlowBudget, FlowCounters, Stat, DEFAULT_MAX_SOCKETS, STAT_
 #[map]
 static PEERS: SockHash<u64> = SockHash::with_max_entries(DEFAULT_MAX_SOCKETS, 0);
 
+// Not preallocated: in a preallocated hash map an element replaced by an update (or
+// removed) goes straight back to the free list and can be reused by the next update of
+// *another* key while a verdict still reads it through the pointer it looked up. With
+// BUDGETS updated every millisecond by every connection, a verdict could then read
+// another flow's credit and consumed, see "caught up" while userspace still holds bytes,
+// and redirect out of order. Without preallocation, replaced elements are freed only
+// after an RCU grace period, and the verdict runs inside one.
 #[map]
-static COUNTERS: HashMap<u64, FlowCounters> = HashMap::with_max_entries(DEFAULT_MAX_SOCKETS, 0);
+static COUNTERS: HashMap<u64, FlowCounters> =
+    HashMap::with_max_entries(DEFAULT_MAX_SOCKETS, BPF_F_NO_PREALLOC);
 
 #[map]
-static BUDGETS: HashMap<u64, FlowBudget> = HashMap::with_max_entries(DEFAULT_MAX_SOCKETS, 0);
+static BUDGETS: HashMap<u64, FlowBudget> =
+    HashMap::with_max_entries(DEFAULT_MAX_SOCKETS, BPF_F_NO_PREALLOC);
 
 #[map]
 static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(STAT_COUNT, 0);
