@@ -58,7 +58,7 @@ impl Readiness {
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// The admin address could not be bound.
-    #[error("binding the admin server on {addr}: {source} (is another waypoint running?)")]
+    #[error("binding the admin server on {addr}: {source}")]
     Bind {
         /// The address.
         addr: SocketAddr,
@@ -75,9 +75,8 @@ pub struct Admin {
 impl Admin {
     /// Binds the admin address.
     pub async fn bind(addr: SocketAddr) -> Result<Admin, Error> {
-        let listener = TcpListener::bind(addr)
-            .await
-            .map_err(|source| Error::Bind { addr, source })?;
+        let listener =
+            crate::router::listen(addr, 128).map_err(|source| Error::Bind { addr, source })?;
         Ok(Admin { listener })
     }
 

@@ -62,6 +62,8 @@ pub struct App {
     stop: CancellationToken,
     kill: CancellationToken,
     tracker: TaskTracker,
+    /// The accept loop; it owns the tunnel listener.
+    accepting: tokio::task::JoinHandle<()>,
 }
 
 impl App {
@@ -132,11 +134,12 @@ impl App {
             dataplane,
             router_metrics,
         ));
-        tokio::spawn(
-            router
-                .clone()
-                .serve(listener, stop.clone(), kill.clone(), tracker.clone()),
-        );
+        let accepting = tokio::spawn(router.clone().serve(
+            listener,
+            stop.clone(),
+            kill.clone(),
+            tracker.clone(),
+        ));
 
         let admin = Admin::bind(config.admin_addr).await?;
         let admin_addr = admin.local_addr()?;
@@ -178,6 +181,7 @@ impl App {
             stop,
             kill,
             tracker,
+            accepting,
         })
     }
 
@@ -190,6 +194,9 @@ impl App {
         );
         self.ready.set(false);
         self.stop.cancel();
+        // The listener is closed once the accept loop has returned: from then on new
+        // connections go to a successor bound with SO_REUSEPORT (or are refused).
+        let _ = self.accepting.await;
         self.tracker.close();
         if tokio::time::timeout(self.config.drain_timeout, self.tracker.wait())
             .await

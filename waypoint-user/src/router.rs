@@ -75,17 +75,22 @@ pub enum Error {
 
 /// Binds the tunnel listener with a deep accept backlog.
 pub fn bind(addr: SocketAddr) -> Result<TcpListener, Error> {
-    let bind = || -> std::io::Result<TcpListener> {
-        let socket = if addr.is_ipv4() {
-            TcpSocket::new_v4()?
-        } else {
-            TcpSocket::new_v6()?
-        };
-        socket.set_reuseaddr(true)?;
-        socket.bind(addr)?;
-        socket.listen(4096)
+    listen(addr, 4096).map_err(|source| Error::Bind { addr, source })
+}
+
+/// A listening socket that a new daemon can bind while the old one still drains
+/// (SO_REUSEPORT, same user only): a rolling update with overlap must not fail on
+/// "address in use", and the old daemon stops accepting as soon as it drains.
+pub(crate) fn listen(addr: SocketAddr, backlog: u32) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
     };
-    bind().map_err(|source| Error::Bind { addr, source })
+    socket.set_reuseaddr(true)?;
+    socket.set_reuseport(true)?;
+    socket.bind(addr)?;
+    socket.listen(backlog)
 }
 
 /// Logs a rejection at most once per second per reason, with the number suppressed.

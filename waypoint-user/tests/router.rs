@@ -431,3 +431,42 @@ fn raise_nofile() {
         lim.rlim_max
     );
 }
+
+/// A rolling update with overlap: a second daemon binds the same tunnel and admin
+/// addresses while the first still runs (and then drains).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlapping_restart_binds_the_same_ports() {
+    let _pod = echo_pod("127.1.5.1", 15008).await;
+    let file = EndpointsFile::new(serde_json::json!([endpoint(
+        "reviews",
+        "127.1.5.1",
+        "n1",
+        true,
+        true
+    )]));
+    let old = start(&file, &["--dataplane", "splice"]).await;
+    let tunnel = old.tunnel_addr.to_string();
+    let admin = old.admin_addr.to_string();
+    let new = start(
+        &file,
+        &[
+            "--dataplane",
+            "splice",
+            "--tunnel-addr",
+            &tunnel,
+            "--admin-addr",
+            &admin,
+        ],
+    )
+    .await;
+    assert_eq!(new.tunnel_addr, old.tunnel_addr);
+    old.shutdown().await;
+    echo_through(
+        new.tunnel_addr,
+        &hello_for("8080.reviews.bookinfo.mesh.local"),
+        b"x",
+    )
+    .await;
+    assert_eq!(status(new.admin_addr, "/readyz").await, 200);
+    new.shutdown().await;
+}

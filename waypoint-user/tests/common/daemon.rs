@@ -60,19 +60,19 @@ pub fn endpoint(svc: &str, ip: &str, node: &str, exported: bool, ready: bool) ->
 /// loopback ports; the registry to `file`).
 pub async fn start(file: &EndpointsFile, args: &[&str]) -> App {
     let registry = format!("file:{}", file.0.display());
-    let mut argv = vec![
-        "waypoint",
-        "--tunnel-addr",
-        "127.0.0.1:0",
-        "--admin-addr",
-        "127.0.0.1:0",
-        "--cluster",
-        "a",
-        "--node-name",
-        "n1",
-        "--registry",
-        &registry,
+    let defaults = [
+        ("--tunnel-addr", "127.0.0.1:0"),
+        ("--admin-addr", "127.0.0.1:0"),
+        ("--cluster", "a"),
+        ("--node-name", "n1"),
+        ("--registry", registry.as_str()),
     ];
+    let mut argv = vec!["waypoint"];
+    for (flag, value) in defaults {
+        if !args.contains(&flag) {
+            argv.extend([flag, value]);
+        }
+    }
     argv.extend_from_slice(args);
     // Daemon logs only when asked for: they go straight to stderr, past the capture.
     if std::env::var_os("RUST_LOG").is_some() {
