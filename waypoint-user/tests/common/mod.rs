@@ -57,6 +57,17 @@ pub async fn proxy(
     proxy_with_gate(dp, upstream, initial_len, limits, None).await
 }
 
+/// Like [`proxy`], listening on `bind` instead of loopback.
+pub async fn proxy_at(
+    bind: SocketAddr,
+    dp: Arc<Dataplane>,
+    upstream: SocketAddr,
+    initial_len: usize,
+    limits: Limits,
+) -> Proxy {
+    proxy_on(bind, dp, upstream, initial_len, limits, None).await
+}
+
 /// Like [`proxy`], but each connection waits for a permit of the returned semaphore
 /// (which starts with none) after reading the initial bytes and dialing the upstream,
 /// just before handing both sockets to the dataplane. Tests use it to have something
@@ -79,11 +90,23 @@ async fn proxy_with_gate(
     limits: Limits,
     gate: Option<Arc<Semaphore>>,
 ) -> Proxy {
+    let bind = "127.0.0.1:0".parse().unwrap();
+    proxy_on(bind, dp, upstream, initial_len, limits, gate).await
+}
+
+async fn proxy_on(
+    bind: SocketAddr,
+    dp: Arc<Dataplane>,
+    upstream: SocketAddr,
+    initial_len: usize,
+    limits: Limits,
+    gate: Option<Arc<Semaphore>>,
+) -> Proxy {
     // A deep accept queue: with tokio's default (1024) a burst of 1,000 connections
     // overflowed it, the kernel fell back to SYN cookies and reset some connections.
     let listener = {
         let sock = tokio::net::TcpSocket::new_v4().unwrap();
-        sock.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        sock.bind(bind).unwrap();
         sock.listen(4096).unwrap()
     };
     let addr = listener.local_addr().unwrap();
