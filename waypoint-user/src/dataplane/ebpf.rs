@@ -467,7 +467,10 @@ impl Direction<'_> {
         };
         self.publish(budget)?;
 
-        let mut buf = vec![0u8; 64 * 1024];
+        // Allocated when the verdict first passes something (or at EOF): most spliced
+        // connections never need it, and 64 KiB per direction up front was most of the
+        // daemon's memory per idle connection.
+        let mut buf = Vec::new();
         let mut quiet_refreshes = 0u32;
         loop {
             let refreshing = quiet_refreshes < IDLE_REFRESHES;
@@ -475,6 +478,9 @@ impl Direction<'_> {
                 biased;
                 r = self.src.readable() => {
                     r.map_err(classify_read_error)?;
+                    if buf.is_empty() {
+                        buf = vec![0u8; 64 * 1024];
+                    }
                     if self.forward_passed(&mut buf, &mut budget).await? {
                         return self.finish(&mut buf, &mut budget).await;
                     }
