@@ -178,24 +178,29 @@ pub fn draw_all(run: &Run, figs: &[Figure], dir: &Path) -> Vec<Result<PathBuf, E
         },
         Chart {
             file: "latency.png",
-            title: "64 B ping-pong round trip (lower is better)",
+            title: "64 B ping-pong round trip, p50 (lower is better)",
             y: "µs",
             series: pick(vec![
-                ("p50", "ping_unpinned_p50_us".into()),
-                ("p50 pinned", "ping_pinned_p50_us".into()),
-                ("p99", "ping_unpinned_p99_us".into()),
-                ("p99 pinned", "ping_pinned_p99_us".into()),
+                ("unpinned", "ping_unpinned_p50_us".into()),
+                ("pinned to one CPU", "ping_pinned_p50_us".into()),
+            ]),
+        },
+        Chart {
+            file: "latency_tail.png",
+            title: "64 B ping-pong round trip, p99 (lower is better)",
+            y: "µs",
+            series: pick(vec![
+                ("unpinned", "ping_unpinned_p99_us".into()),
+                ("pinned to one CPU", "ping_pinned_p99_us".into()),
             ]),
         },
         Chart {
             file: "setup.png",
-            title: "Connection setup: connect + ClientHello + 1 byte echoed (lower is better)",
+            title: "Connection setup p50: connect + ClientHello + 1 byte echoed (lower is better)",
             y: "µs",
             series: pick(vec![
-                ("p50", "setup_unpinned_p50_us".into()),
-                ("p50 pinned", "setup_pinned_p50_us".into()),
-                ("p99", "setup_unpinned_p99_us".into()),
-                ("p99 pinned", "setup_pinned_p99_us".into()),
+                ("unpinned", "setup_unpinned_p50_us".into()),
+                ("pinned to one CPU", "setup_pinned_p50_us".into()),
             ]),
         },
         Chart {

@@ -45,12 +45,17 @@ pub fn spread(xs: &[f64]) -> Spread {
     }
 }
 
+/// Extracts one figure's samples from a router's results.
+type Values = Box<dyn Fn(&Results) -> Vec<f64>>;
+/// Judges one router against a goal.
+type Judge = Box<dyn Fn(&Run, Kind) -> Option<Verdict>>;
+
 /// One row of the table: how to get its samples out of a router's results.
 pub struct Figure {
     pub key: String,
     pub label: String,
     pub decimals: usize,
-    values: Box<dyn Fn(&Results) -> Vec<f64>>,
+    values: Values,
 }
 
 impl Figure {
@@ -183,7 +188,7 @@ pub struct Verdict {
 pub struct Goal {
     pub key: &'static str,
     pub text: &'static str,
-    judge: Box<dyn Fn(&Run, Kind) -> Option<Verdict>>,
+    judge: Judge,
 }
 
 impl Goal {
@@ -460,7 +465,7 @@ pub fn markdown(run: &Run, machine: &Value) -> String {
         })
         .collect();
     if !errors.is_empty() {
-        let _ = writeln!(out, "\n**Failures (figures missing above):**\n");
+        let _ = writeln!(out, "\n**Failures and partial figures:**\n");
         for e in errors {
             let _ = writeln!(out, "- {e}");
         }
@@ -525,7 +530,7 @@ pub fn json(run: &Run, machine: &Value) -> Value {
                     "setup_pinned": r.setup[1].iter().map(|(l, rate)| json!({"latency": latency_json(l), "conn_per_s": rate})).collect::<Vec<_>>(),
                     "memory": r.memory.iter().map(|m| json!({
                         "rss_before_bytes": m.rss_before, "rss_after_bytes": m.rss_after,
-                        "opened": m.opened, "wanted": m.wanted, "bytes_per_conn": m.per_conn(),
+                        "opened": m.opened, "wanted": m.wanted, "bytes_per_conn": m.per_conn(), "error": m.error,
                     })).collect::<Vec<_>>(),
                 },
                 "errors": r.errors,
