@@ -295,7 +295,16 @@ pub fn goals(run: &Run) -> Vec<Goal> {
             let figs = figures(run);
             let f = fig(&figs, cpu_key)?;
             let d = median_of(run, Kind::Direct, f);
-            let ratio = (median_of(run, kind, f) - d) / (median_of(run, Kind::Nginx, f) - d);
+            let (mine, nginx) = (
+                median_of(run, kind, f) - d,
+                median_of(run, Kind::Nginx, f) - d,
+            );
+            // Below direct's own cost, or nginx not above it: the difference is noise,
+            // not a verdict.
+            if mine <= 0.0 || nginx <= 0.0 {
+                return None;
+            }
+            let ratio = mine / nginx;
             ratio.is_finite().then(|| Verdict {
                 value: ratio,
                 text: format!("{ratio:.2}×"),

@@ -208,6 +208,9 @@ fn build_bench(root: &Path) -> anyhow::Result<(PathBuf, PathBuf)> {
         "waypoint",
         "-p",
         "waypoint-bench",
+        // Target selection applies across packages: name both binaries.
+        "--bin",
+        "waypoint-bench",
     ]))?;
     let release = target_dir(root).join("release");
     Ok((release.join("waypoint-bench"), release.join("waypoint")))
