@@ -24,8 +24,9 @@ APT_PACKAGES=(
   # Two-cluster e2e and demo: nft for the nodes' pod masquerade (Flannel's ip-masq); curl
   # for exploring the admin endpoints of a kept demo.
   nftables curl
-  # Benchmark peers.
-  nginx libnginx-mod-stream haproxy
+  # Benchmark peers; the charts' font (cargo xtask bench draws PNGs with it); perf for
+  # profiling the dataplanes under load (docs/PERFORMANCE.md).
+  nginx libnginx-mod-stream haproxy fonts-dejavu-core linux-perf
   # Build helpers.
   pkg-config build-essential protobuf-compiler libprotobuf-dev
 )

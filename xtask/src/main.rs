@@ -28,10 +28,17 @@ enum Task {
         #[arg(long)]
         no_lint: bool,
     },
-    /// Run a benchmark and print its figures.
+    /// Benchmarks (root). Without a subcommand: the comparison of direct TCP, the
+    /// waypoint's ebpf/splice/copy dataplanes, nginx and HAProxy on loopback (bulk
+    /// Gbit/s, ping-pong µs unpinned and pinned, connection setup, RSS per idle
+    /// connection, machine CPU per GB), with the goals beside each figure; writes
+    /// report.md, results.json and PNG charts to <target>/bench/.
+    #[command(args_conflicts_with_subcommands = true)]
     Bench {
         #[command(subcommand)]
-        which: Bench,
+        which: Option<Bench>,
+        #[command(flatten)]
+        compare: CompareArgs,
     },
     /// The two-cluster demo (root): builds the release binaries, sets up two clusters on
     /// network namespaces with etcd and a waypoint per node, shows a request crossing
@@ -52,8 +59,44 @@ enum Task {
     },
 }
 
+/// Options of the comparison (`cargo xtask bench`).
+#[derive(Debug, clap::Args)]
+struct CompareArgs {
+    /// Short runs, one repetition, 1,000 idle connections: a smoke run in about a minute.
+    #[arg(long)]
+    quick: bool,
+    /// Repetitions of every figure (default 3; 1 with --quick).
+    #[arg(long)]
+    reps: Option<usize>,
+    /// Only these routers, comma-separated: direct, ebpf, splice, copy, nginx, haproxy.
+    #[arg(long)]
+    only: Option<String>,
+    /// Output directory (default <target>/bench).
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
 #[derive(Debug, Subcommand)]
 enum Bench {
+    /// 100,000 concurrent connections through the waypoint (bounded in time): every one
+    /// established end to end, spot-checked, the daemon's memory at the peak, then closed.
+    Scale {
+        /// Concurrent connections.
+        #[arg(long, default_value_t = 100_000)]
+        connections: usize,
+        /// Dataplane: ebpf, splice or copy.
+        #[arg(long, default_value = "ebpf")]
+        dataplane: String,
+        /// Give up opening connections after this many seconds.
+        #[arg(long, default_value_t = 300)]
+        timeout: u64,
+        /// Output directory (default <target>/bench).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+    /// Criterion micro-benchmark of the ClientHello/SNI parser: ns per hello for a
+    /// classic, a post-quantum (X25519MLKEM768) and an OpenSSL hello.
+    Sni,
     /// Direct TCP vs the ebpf, splice and copy dataplanes: Gbit/s (1 and 8 streams),
     /// ping-pong p50/p99 µs, machine-wide CPU seconds per GB.
     Dataplane {
@@ -98,7 +141,39 @@ fn main() -> anyhow::Result<()> {
         Task::Fuzz { seconds } => fuzz(&root, seconds),
         Task::Demo { keep, dataplane } => demo(&root, keep, &dataplane),
         Task::Bench {
-            which: Bench::Dataplane { quick, json },
+            which: None,
+            compare,
+        } => bench_compare(&root, &compare),
+        Task::Bench {
+            which:
+                Some(Bench::Scale {
+                    connections,
+                    dataplane,
+                    timeout,
+                    out,
+                }),
+            ..
+        } => {
+            let (bench, waypoint) = build_bench(&root)?;
+            let mut c = Command::new(bench);
+            c.current_dir(&root)
+                .arg("scale")
+                .arg("--waypoint")
+                .arg(waypoint)
+                .arg("--out")
+                .arg(out.unwrap_or_else(|| target_dir(&root).join("bench")))
+                .args(["--connections", &connections.to_string()])
+                .args(["--dataplane", &dataplane])
+                .args(["--timeout", &timeout.to_string()]);
+            run(&mut c)
+        }
+        Task::Bench {
+            which: Some(Bench::Sni),
+            ..
+        } => run(cargo(&root).args(["bench", "-p", "waypoint-user", "--bench", "sni"])),
+        Task::Bench {
+            which: Some(Bench::Dataplane { quick, json }),
+            ..
         } => {
             let mut c = cargo(&root);
             c.args(["bench", "-p", "waypoint-user", "--bench", "dataplane", "--"]);
@@ -111,6 +186,59 @@ fn main() -> anyhow::Result<()> {
             run(&mut c)
         }
     }
+}
+
+/// Where cargo puts build outputs (CARGO_TARGET_DIR or <root>/target).
+fn target_dir(root: &Path) -> PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(d) if Path::new(&d).is_absolute() => PathBuf::from(d),
+        Some(d) => root.join(d),
+        None => root.join("target"),
+    }
+}
+
+/// Builds the daemon and the benchmark (release) and returns their paths.
+fn build_bench(root: &Path) -> anyhow::Result<(PathBuf, PathBuf)> {
+    run(cargo(root).args([
+        "build",
+        "--release",
+        "-p",
+        "waypoint-user",
+        "--bin",
+        "waypoint",
+        "-p",
+        "waypoint-bench",
+        // Target selection applies across packages: name both binaries.
+        "--bin",
+        "waypoint-bench",
+    ]))?;
+    let release = target_dir(root).join("release");
+    Ok((release.join("waypoint-bench"), release.join("waypoint")))
+}
+
+fn bench_compare(root: &Path, a: &CompareArgs) -> anyhow::Result<()> {
+    let (bench, waypoint) = build_bench(root)?;
+    let mut c = Command::new(bench);
+    c.current_dir(root)
+        .arg("compare")
+        .arg("--waypoint")
+        .arg(waypoint)
+        .arg("--out")
+        .arg(
+            a.out
+                .clone()
+                .unwrap_or_else(|| target_dir(root).join("bench")),
+        );
+    if a.quick {
+        c.arg("--quick");
+    }
+    if let Some(r) = a.reps {
+        c.args(["--reps", &r.to_string()]);
+    }
+    if let Some(o) = &a.only {
+        c.args(["--only", o]);
+    }
+    run(&mut c)
 }
 
 fn demo(root: &Path, keep: bool, dataplane: &str) -> anyhow::Result<()> {

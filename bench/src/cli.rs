@@ -1,0 +1,108 @@
+//! The command line: `compare` (the comparison table) and `scale` (the 100k check).
+
+use std::{path::PathBuf, time::Duration};
+
+/// Comparative benchmark of the waypoint against direct TCP, nginx and HAProxy, on
+/// loopback. Needs root (the eBPF dataplane, RLIMIT_NOFILE, CPU pinning).
+#[derive(Debug, clap::Parser)]
+#[command(name = "waypoint-bench")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub task: Task,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum Task {
+    /// Bulk throughput (1, 8, 64 connections), 64 B ping-pong (unpinned and pinned to one
+    /// CPU), connection setup, RSS per idle connection and machine CPU per GB, for direct,
+    /// the waypoint's ebpf/splice/copy dataplanes, nginx and HAProxy. Writes report.md,
+    /// results.json and PNG charts to --out.
+    Compare(Compare),
+    /// Holds --connections concurrent connections through one waypoint, spot-checks them,
+    /// reports the daemon's memory, then closes them. Bounded by --timeout.
+    Scale(Scale),
+    /// (internal) An echo pod of the scale check.
+    #[command(hide = true)]
+    ScaleServer {
+        #[arg(long)]
+        ip: std::net::IpAddr,
+        #[arg(long)]
+        sink_ip: std::net::IpAddr,
+        #[arg(long)]
+        port: u16,
+    },
+    /// (internal) A client process of the scale check.
+    #[command(hide = true)]
+    ScaleClient {
+        #[arg(long)]
+        target: std::net::SocketAddr,
+        #[arg(long)]
+        source: std::net::Ipv4Addr,
+        #[arg(long)]
+        count: usize,
+        /// Seconds.
+        #[arg(long)]
+        timeout: u64,
+    },
+}
+
+#[derive(Debug, clap::Args)]
+pub struct Common {
+    /// The waypoint daemon binary (build it with
+    /// `cargo build --release -p waypoint-user --bin waypoint`).
+    #[arg(
+        long,
+        env = "WAYPOINT_BENCH_WAYPOINT",
+        default_value = "target/release/waypoint"
+    )]
+    pub waypoint: PathBuf,
+    /// Where the report, JSON and charts go.
+    #[arg(long, env = "WAYPOINT_BENCH_OUT", default_value = "target/bench")]
+    pub out: PathBuf,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct Compare {
+    #[command(flatten)]
+    pub common: Common,
+    /// Short runs, one repetition, fewer connections: a smoke run in about a minute.
+    #[arg(long)]
+    pub quick: bool,
+    /// Repetitions of every figure (default 3, or 1 with --quick).
+    #[arg(long)]
+    pub reps: Option<usize>,
+    /// Only these routers, comma-separated: direct, ebpf, splice, copy, nginx, haproxy.
+    /// Ratios need direct and nginx.
+    #[arg(long, value_delimiter = ',')]
+    pub only: Option<Vec<String>>,
+    /// Idle connections held for the memory figure (default 10000, or 1000 with --quick).
+    #[arg(long)]
+    pub idle_conns: Option<usize>,
+    /// The CPU every process is pinned to for the pinned figures (default: the last).
+    #[arg(long)]
+    pub pin_cpu: Option<usize>,
+    /// Seconds of each bulk measurement (default 3, or 1 with --quick).
+    #[arg(long)]
+    pub seconds: Option<f64>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct Scale {
+    #[command(flatten)]
+    pub common: Common,
+    /// Concurrent connections to hold.
+    #[arg(long, default_value_t = 100_000)]
+    pub connections: usize,
+    /// The waypoint dataplane: ebpf, splice or copy.
+    #[arg(long, default_value = "ebpf")]
+    pub dataplane: String,
+    /// Give up opening connections after this long (seconds).
+    #[arg(long, default_value_t = 300)]
+    pub timeout: u64,
+}
+
+impl Scale {
+    pub fn deadline(&self) -> Duration {
+        Duration::from_secs(self.timeout)
+    }
+}

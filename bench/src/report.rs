@@ -1,0 +1,549 @@
+//! Turns a run into figures (median, min, max over the repetitions), ratios to direct and
+//! to nginx, goal verdicts, a Markdown report and a JSON document.
+
+use std::fmt::Write as _;
+
+use serde_json::{json, Value};
+
+use crate::{
+    load::Latency,
+    routers::Kind,
+    suite::{self, Results, Run},
+};
+
+/// Median, min and max of the finite values.
+#[derive(Clone, Copy, Debug)]
+pub struct Spread {
+    pub median: f64,
+    pub min: f64,
+    pub max: f64,
+    pub n: usize,
+}
+
+pub fn spread(xs: &[f64]) -> Spread {
+    let mut v: Vec<f64> = xs.iter().copied().filter(|x| x.is_finite()).collect();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n == 0 {
+        return Spread {
+            median: f64::NAN,
+            min: f64::NAN,
+            max: f64::NAN,
+            n,
+        };
+    }
+    let median = if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    };
+    Spread {
+        median,
+        min: v[0],
+        max: v[n - 1],
+        n,
+    }
+}
+
+/// Extracts one figure's samples from a router's results.
+type Values = Box<dyn Fn(&Results) -> Vec<f64>>;
+/// Judges one router against a goal.
+type Judge = Box<dyn Fn(&Run, Kind) -> Option<Verdict>>;
+
+/// One row of the table: how to get its samples out of a router's results.
+pub struct Figure {
+    pub key: String,
+    pub label: String,
+    pub decimals: usize,
+    values: Values,
+}
+
+impl Figure {
+    fn new(
+        key: impl Into<String>,
+        label: impl Into<String>,
+        decimals: usize,
+        values: impl Fn(&Results) -> Vec<f64> + 'static,
+    ) -> Figure {
+        Figure {
+            key: key.into(),
+            label: label.into(),
+            decimals,
+            values: Box::new(values),
+        }
+    }
+
+    pub fn values(&self, r: &Results) -> Vec<f64> {
+        (self.values)(r)
+    }
+}
+
+/// Every figure the run measured, in table order.
+pub fn figures(run: &Run) -> Vec<Figure> {
+    let hz = run.hz;
+    let mut f = Vec::new();
+    for (i, &c) in run.settings.bulk_conns.iter().enumerate() {
+        f.push(Figure::new(
+            format!("bulk_{c}_gbit_per_s"),
+            format!("bulk, {c} conn{}, Gbit/s", if c == 1 { "" } else { "s" }),
+            2,
+            move |r| r.bulk[i].iter().map(|b| b.gbps()).collect(),
+        ));
+    }
+    type Pick = fn(&Latency) -> f64;
+    let quantiles: [(&str, &str, Pick); 3] = [
+        ("p50", "p50", |l| l.p50),
+        ("p99", "p99", |l| l.p99),
+        ("p999", "p99.9", |l| l.p999),
+    ];
+    for (slot, pin) in [(0, "unpinned"), (1, "pinned")] {
+        for (k, label, q) in quantiles {
+            f.push(Figure::new(
+                format!("ping_{pin}_{k}_us"),
+                format!("64 B ping-pong {label}, {pin}, µs"),
+                1,
+                move |r| r.ping[slot].iter().map(q).collect(),
+            ));
+        }
+    }
+    for (slot, pin) in [(0, "unpinned"), (1, "pinned")] {
+        for (k, label, q) in &quantiles[..2] {
+            let q = *q;
+            f.push(Figure::new(
+                format!("setup_{pin}_{k}_us"),
+                format!("connection setup {label}, {pin}, µs"),
+                1,
+                move |r| r.setup[slot].iter().map(|(l, _)| q(l)).collect(),
+            ));
+        }
+        f.push(Figure::new(
+            format!("setup_{pin}_conn_per_s"),
+            format!("connections/s (one client), {pin}"),
+            0,
+            move |r| r.setup[slot].iter().map(|(_, rate)| *rate).collect(),
+        ));
+    }
+    f.push(Figure::new(
+        "rss_bytes_per_idle_conn",
+        format!(
+            "router RSS per established idle connection, B ({} conns)",
+            run.settings.idle_conns
+        ),
+        0,
+        |r| r.memory.iter().map(suite::Memory::per_conn).collect(),
+    ));
+    for (i, &c) in run.settings.bulk_conns.iter().enumerate() {
+        f.push(Figure::new(
+            format!("cpu_s_per_gb_bulk_{c}"),
+            format!(
+                "machine CPU s per GB, bulk {c} conn{}",
+                if c == 1 { "" } else { "s" }
+            ),
+            3,
+            move |r| r.bulk[i].iter().map(|b| b.cpu_s_per_gb(hz)).collect(),
+        ));
+    }
+    f
+}
+
+fn find(run: &Run, kind: Kind) -> Option<&Results> {
+    run.results.iter().find(|r| r.kind == kind)
+}
+
+fn median_of(run: &Run, kind: Kind, fig: &Figure) -> f64 {
+    find(run, kind).map_or(f64::NAN, |r| spread(&fig.values(r)).median)
+}
+
+fn fmt(x: f64, decimals: usize) -> String {
+    if x.is_finite() {
+        format!("{x:.decimals$}")
+    } else {
+        "–".into()
+    }
+}
+
+fn cell(s: Spread, decimals: usize) -> String {
+    if s.n == 0 {
+        return "–".into();
+    }
+    if s.n == 1 || s.min == s.max {
+        return fmt(s.median, decimals);
+    }
+    format!(
+        "{} ({}–{})",
+        fmt(s.median, decimals),
+        fmt(s.min, decimals),
+        fmt(s.max, decimals)
+    )
+}
+
+/// A goal and its verdict for one router.
+pub struct Verdict {
+    pub value: f64,
+    pub text: String,
+    pub met: bool,
+}
+
+/// A goal: what it says and how to judge a router against it.
+pub struct Goal {
+    pub key: &'static str,
+    pub text: &'static str,
+    judge: Judge,
+}
+
+impl Goal {
+    pub fn judge(&self, run: &Run, kind: Kind) -> Option<Verdict> {
+        (self.judge)(run, kind)
+    }
+}
+
+fn fig<'a>(figs: &'a [Figure], key: &str) -> Option<&'a Figure> {
+    figs.iter().find(|f| f.key == key)
+}
+
+/// The goals; each is judged on medians.
+pub fn goals(run: &Run) -> Vec<Goal> {
+    let mut g = Vec::new();
+    for c in [1usize, 8] {
+        g.push(Goal {
+            key: if c == 1 {
+                "bulk_1_vs_direct"
+            } else {
+                "bulk_8_vs_direct"
+            },
+            text: if c == 1 {
+                "bulk, 1 conn ≥ 0.9× direct"
+            } else {
+                "bulk, 8 conns ≥ 0.9× direct"
+            },
+            judge: Box::new(move |run, kind| {
+                let figs = figures(run);
+                let f = fig(&figs, &format!("bulk_{c}_gbit_per_s"))?;
+                let ratio = median_of(run, kind, f) / median_of(run, Kind::Direct, f);
+                ratio.is_finite().then(|| Verdict {
+                    value: ratio,
+                    text: format!("{ratio:.2}×"),
+                    met: ratio >= 0.9,
+                })
+            }),
+        });
+    }
+    g.push(Goal {
+        key: "added_rtt_pinned_us",
+        text: "added latency per round trip, pinned p50 ≤ 5 µs",
+        judge: Box::new(|run, kind| {
+            let figs = figures(run);
+            let f = fig(&figs, "ping_pinned_p50_us")?;
+            let added = median_of(run, kind, f) - median_of(run, Kind::Direct, f);
+            added.is_finite().then(|| Verdict {
+                value: added,
+                text: format!("{added:+.1} µs"),
+                met: added <= 5.0,
+            })
+        }),
+    });
+    g.push(Goal {
+        key: "added_setup_pinned_us",
+        text: "added cost per new connection, pinned p50 ≤ 30 µs",
+        judge: Box::new(|run, kind| {
+            let figs = figures(run);
+            let f = fig(&figs, "setup_pinned_p50_us")?;
+            let added = median_of(run, kind, f) - median_of(run, Kind::Direct, f);
+            added.is_finite().then(|| Verdict {
+                value: added,
+                text: format!("{added:+.1} µs"),
+                met: added <= 30.0,
+            })
+        }),
+    });
+    g.push(Goal {
+        key: "rss_per_conn_bytes",
+        text: "userspace memory per established connection ≤ 1 KiB",
+        judge: Box::new(|run, kind| {
+            let figs = figures(run);
+            let b = median_of(run, kind, fig(&figs, "rss_bytes_per_idle_conn")?);
+            b.is_finite().then(|| Verdict {
+                value: b,
+                text: format!("{b:.0} B"),
+                met: b <= 1024.0,
+            })
+        }),
+    });
+    let cpu_key = if run.settings.bulk_conns.contains(&8) {
+        "cpu_s_per_gb_bulk_8"
+    } else {
+        "cpu_s_per_gb_bulk_1"
+    };
+    g.push(Goal {
+        key: "cpu_per_gb_vs_nginx",
+        text: "machine-wide CPU per GB (bulk, 8 conns) ≤ 0.25× nginx",
+        judge: Box::new(move |run, kind| {
+            let figs = figures(run);
+            let f = fig(&figs, cpu_key)?;
+            let ratio = median_of(run, kind, f) / median_of(run, Kind::Nginx, f);
+            ratio.is_finite().then(|| Verdict {
+                value: ratio,
+                text: format!("{ratio:.2}×"),
+                met: ratio <= 0.25,
+            })
+        }),
+    });
+    g.push(Goal {
+        key: "added_cpu_per_gb_vs_nginx",
+        text: "(same, router's share: CPU/GB minus direct's, ≤ 0.25× nginx's)",
+        judge: Box::new(move |run, kind| {
+            let figs = figures(run);
+            let f = fig(&figs, cpu_key)?;
+            let d = median_of(run, Kind::Direct, f);
+            let (mine, nginx) = (
+                median_of(run, kind, f) - d,
+                median_of(run, Kind::Nginx, f) - d,
+            );
+            // Below direct's own cost, or nginx not above it: the difference is noise,
+            // not a verdict.
+            if mine <= 0.0 || nginx <= 0.0 {
+                return None;
+            }
+            let ratio = mine / nginx;
+            ratio.is_finite().then(|| Verdict {
+                value: ratio,
+                text: format!("{ratio:.2}×"),
+                met: ratio <= 0.25,
+            })
+        }),
+    });
+    g
+}
+
+/// Whether the machine looked busy during the run, with the reasons.
+pub fn busy(run: &Run) -> Vec<String> {
+    let mut why = Vec::new();
+    for p in &run.probes {
+        if p.idle_pct < suite::BUSY_IDLE_PCT {
+            why.push(format!(
+                "before repetition {}: only {:.0}% idle while the benchmark was quiet (loadavg {}; busiest others: {})",
+                p.rep,
+                p.idle_pct,
+                p.loadavg,
+                suite::top_line(&p.top)
+            ));
+        }
+    }
+    let mut noisy = 0;
+    let mut windows = 0;
+    let mut worst: f64 = 0.0;
+    for r in &run.results {
+        for b in r.bulk.iter().flatten() {
+            windows += 1;
+            let share = b.foreign_s / b.secs;
+            worst = worst.max(share);
+            if share > suite::BUSY_FOREIGN_SHARE {
+                noisy += 1;
+            }
+        }
+    }
+    if noisy > 0 {
+        why.push(format!(
+            "other processes used more than {:.0}% of a CPU in {noisy} of {windows} bulk windows (worst {:.0}%)",
+            100.0 * suite::BUSY_FOREIGN_SHARE,
+            100.0 * worst
+        ));
+    }
+    why
+}
+
+fn kinds(run: &Run) -> Vec<Kind> {
+    run.results.iter().map(|r| r.kind).collect()
+}
+
+/// The Markdown report.
+pub fn markdown(run: &Run, machine: &Value) -> String {
+    let s = &run.settings;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "# waypoint vs nginx vs HAProxy on loopback ({} mode)\n",
+        if s.quick { "quick" } else { "full" }
+    );
+    let _ = writeln!(
+        out,
+        "- machine: {}; run {}; wall time {:.0} s; loadavg after: {}",
+        machine["summary"].as_str().unwrap_or_default(),
+        machine["date"].as_str().unwrap_or_default(),
+        run.wall_s,
+        run.loadavg_after
+    );
+    let _ = writeln!(
+        out,
+        "- every connection replays a recorded rustls 0.23 ClientHello with a post-quantum key share (X25519MLKEM768, {} B) and waits for the server's 1-byte answer; nginx: `stream` + `ssl_preread`, 1 worker; HAProxy: `mode tcp`, `req.ssl_sni`, `nbthread 1`; the waypoint daemon with each dataplane; servers and load generator in the benchmark process",
+        crate::hello::len()
+    );
+    let _ = writeln!(
+        out,
+        "- {} repetition(s), each figure median (min–max); bulk {} s after {} ms warm-up; ping-pong {} round trips after {}; setup {} sequential connections; memory: {} idle connections on a fresh router; pinned: every process on CPU {}",
+        s.reps,
+        s.duration.as_secs_f64(),
+        s.warmup.as_millis(),
+        s.pings,
+        s.pings_warmup,
+        s.setups,
+        s.idle_conns,
+        s.pin_cpu
+    );
+    let _ = writeln!(
+        out,
+        "- ×d: ratio to direct, ×n: ratio to nginx (of the medians); CPU is machine-wide from /proc/stat (user+nice+system+irq+softirq), load generator and servers included"
+    );
+    let busy = busy(run);
+    if busy.is_empty() {
+        let _ = writeln!(out, "- the machine was quiet (idle ≥ {:.0}% before every repetition, no other process above {:.0}% of a CPU in any bulk window)", suite::BUSY_IDLE_PCT, 100.0 * suite::BUSY_FOREIGN_SHARE);
+    } else {
+        let _ = writeln!(
+            out,
+            "\n**WARNING: the machine was busy; figures are noisy and ratios unreliable:**\n"
+        );
+        for w in &busy {
+            let _ = writeln!(out, "- {w}");
+        }
+    }
+    out.push('\n');
+
+    let ks = kinds(run);
+    let figs = figures(run);
+    let _ = write!(out, "| figure |");
+    for k in &ks {
+        let _ = write!(out, " {} |", k.name());
+    }
+    let _ = write!(out, "\n|---|");
+    for _ in &ks {
+        out.push_str("---|");
+    }
+    out.push('\n');
+    for f in &figs {
+        let _ = write!(out, "| {} |", f.label);
+        let d = median_of(run, Kind::Direct, f);
+        let n = median_of(run, Kind::Nginx, f);
+        for r in &run.results {
+            let sp = spread(&f.values(r));
+            let mut c = cell(sp, f.decimals);
+            let mut ratios = Vec::new();
+            if r.kind != Kind::Direct && d.is_finite() && d != 0.0 && sp.n > 0 {
+                ratios.push(format!("×{:.2} d", sp.median / d));
+            }
+            if r.kind != Kind::Nginx && n.is_finite() && n != 0.0 && sp.n > 0 {
+                ratios.push(format!("×{:.2} n", sp.median / n));
+            }
+            if !ratios.is_empty() {
+                let _ = write!(c, "<br>{}", ratios.join(" · "));
+            }
+            let _ = write!(out, " {c} |");
+        }
+        out.push('\n');
+    }
+
+    let _ = writeln!(out, "\n## Goals (judged on the medians)\n");
+    let _ = write!(out, "| goal |");
+    for k in ks.iter().filter(|k| **k != Kind::Direct) {
+        let _ = write!(out, " {} |", k.name());
+    }
+    let _ = write!(out, "\n|---|");
+    for _ in ks.iter().filter(|k| **k != Kind::Direct) {
+        out.push_str("---|");
+    }
+    out.push('\n');
+    for g in goals(run) {
+        let _ = write!(out, "| {} |", g.text);
+        for k in ks.iter().filter(|k| **k != Kind::Direct) {
+            let c = match g.judge(run, *k) {
+                Some(v) => format!("{} {}", v.text, if v.met { "✅ met" } else { "❌ missed" }),
+                None => "–".into(),
+            };
+            let _ = write!(out, " {c} |");
+        }
+        out.push('\n');
+    }
+    out.push_str("\nThe goals are the waypoint's (ebpf, splice, copy); nginx and HAProxy are judged the same way for reference.\n");
+
+    let errors: Vec<String> = run
+        .results
+        .iter()
+        .flat_map(|r| {
+            r.errors
+                .iter()
+                .map(move |e| format!("{}: {e}", r.kind.name()))
+        })
+        .collect();
+    if !errors.is_empty() {
+        let _ = writeln!(out, "\n**Failures and partial figures:**\n");
+        for e in errors {
+            let _ = writeln!(out, "- {e}");
+        }
+    }
+    out
+}
+
+fn latency_json(l: &Latency) -> Value {
+    json!({ "p50_us": l.p50, "p99_us": l.p99, "p999_us": l.p999, "samples": l.n })
+}
+
+/// Every raw sample, the summaries and the verdicts.
+pub fn json(run: &Run, machine: &Value) -> Value {
+    let s = &run.settings;
+    let figs = figures(run);
+    let goals = goals(run);
+    let hz = run.hz;
+    json!({
+        "mode": if s.quick { "quick" } else { "full" },
+        "machine": machine,
+        "busy": busy(run),
+        "quiet_checks": run.probes.iter().map(|p| json!({
+            "rep": p.rep, "idle_pct": p.idle_pct, "loadavg": p.loadavg,
+            "busiest_other_processes": p.top.iter().map(|(n, c)| json!({"comm": n, "cpu_s": c})).collect::<Vec<_>>(),
+        })).collect::<Vec<_>>(),
+        "wall_s": run.wall_s,
+        "loadavg_after": run.loadavg_after,
+        "settings": {
+            "reps": s.reps, "bulk_secs": s.duration.as_secs_f64(), "bulk_warmup_secs": s.warmup.as_secs_f64(),
+            "bulk_conns": s.bulk_conns, "pings": s.pings, "pings_warmup": s.pings_warmup,
+            "ping_bytes": crate::load::PING_LEN, "setups": s.setups, "idle_conns": s.idle_conns,
+            "pin_cpu": s.pin_cpu, "hello": "replayed rustls 0.23 ClientHello, X25519MLKEM768 + X25519 key shares",
+            "hello_bytes": crate::hello::len(),
+        },
+        "routers": run.results.iter().map(|r| {
+            let summaries: serde_json::Map<String, Value> = figs.iter().map(|f| {
+                let sp = spread(&f.values(r));
+                (f.key.clone(), json!({"median": sp.median, "min": sp.min, "max": sp.max, "runs": f.values(r)}))
+            }).collect();
+            let verdicts: serde_json::Map<String, Value> = goals.iter().filter_map(|g| {
+                let v = g.judge(run, r.kind)?;
+                Some((g.key.to_owned(), json!({"goal": g.text, "value": v.value, "met": v.met})))
+            }).collect();
+            json!({
+                "name": r.kind.name(),
+                "figures": summaries,
+                "goals": verdicts,
+                "raw": {
+                    "bulk": s.bulk_conns.iter().zip(&r.bulk).map(|(c, runs)| json!({
+                        "conns": c,
+                        "runs": runs.iter().map(|b| json!({
+                            "bytes": b.bytes, "secs": b.secs, "gbit_per_s": b.gbps(),
+                            "machine_cpu_s_per_gb": b.cpu_s_per_gb(hz),
+                            "machine_idle_pct": b.cpu.idle_pct(),
+                            "softirq_s": b.cpu.softirq as f64 / hz, "system_s": b.cpu.system as f64 / hz,
+                            "user_s": b.cpu.user as f64 / hz, "other_processes_cpu_s": b.foreign_s,
+                        })).collect::<Vec<_>>(),
+                    })).collect::<Vec<_>>(),
+                    "ping_unpinned": r.ping[0].iter().map(latency_json).collect::<Vec<_>>(),
+                    "ping_pinned": r.ping[1].iter().map(latency_json).collect::<Vec<_>>(),
+                    "setup_unpinned": r.setup[0].iter().map(|(l, rate)| json!({"latency": latency_json(l), "conn_per_s": rate})).collect::<Vec<_>>(),
+                    "setup_pinned": r.setup[1].iter().map(|(l, rate)| json!({"latency": latency_json(l), "conn_per_s": rate})).collect::<Vec<_>>(),
+                    "memory": r.memory.iter().map(|m| json!({
+                        "rss_before_bytes": m.rss_before, "rss_after_bytes": m.rss_after,
+                        "opened": m.opened, "wanted": m.wanted, "bytes_per_conn": m.per_conn(), "error": m.error,
+                    })).collect::<Vec<_>>(),
+                },
+                "errors": r.errors,
+            })
+        }).collect::<Vec<_>>(),
+    })
+}

@@ -1,0 +1,321 @@
+//! The comparison run: starts every router, then in each repetition measures every router
+//! once (repetition-major, so a burst of background load spoils one run of several
+//! routers rather than every run of one), and collects the samples.
+
+use std::{
+    path::PathBuf,
+    time::{Duration, Instant},
+};
+
+use crate::{
+    load::{self, Bulk, Latency},
+    routers::{Kind, Router, Setup},
+    servers::Servers,
+    sys,
+};
+
+/// How long and how much of everything.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub quick: bool,
+    pub reps: usize,
+    pub warmup: Duration,
+    pub duration: Duration,
+    pub bulk_conns: Vec<usize>,
+    pub pings_warmup: usize,
+    pub pings: usize,
+    pub setups: usize,
+    pub idle_conns: usize,
+    /// RLIMIT_NOFILE of this process and the routers.
+    pub nofile: u64,
+    pub kinds: Vec<Kind>,
+    pub waypoint_bin: PathBuf,
+    /// Temporary directory for the routers' configs and logs.
+    pub work: PathBuf,
+    /// The CPU every process is pinned to in the pinned measurements.
+    pub pin_cpu: usize,
+}
+
+/// Memory of a fresh router holding idle connections.
+#[derive(Clone, Debug)]
+pub struct Memory {
+    pub rss_before: u64,
+    pub rss_after: u64,
+    pub opened: usize,
+    pub wanted: usize,
+    /// Why fewer than `wanted` were opened.
+    pub error: Option<String>,
+}
+
+impl Memory {
+    pub fn per_conn(&self) -> f64 {
+        if self.opened == 0 {
+            return f64::NAN;
+        }
+        self.rss_after.saturating_sub(self.rss_before) as f64 / self.opened as f64
+    }
+}
+
+/// Everything measured for one router.
+#[derive(Debug)]
+pub struct Results {
+    pub kind: Kind,
+    /// Per connection count in `Settings::bulk_conns` order.
+    pub bulk: Vec<Vec<Bulk>>,
+    /// [unpinned, pinned].
+    pub ping: [Vec<Latency>; 2],
+    /// [unpinned, pinned]: latency and connections per second.
+    pub setup: [Vec<(Latency, f64)>; 2],
+    pub memory: Vec<Memory>,
+    pub errors: Vec<String>,
+}
+
+/// A quiet-machine check, taken before each repetition while nothing of ours runs.
+#[derive(Clone, Debug)]
+pub struct Probe {
+    pub rep: usize,
+    pub idle_pct: f64,
+    pub loadavg: String,
+    /// The busiest other processes over the probe (name, CPU s).
+    pub top: Vec<(String, f64)>,
+}
+
+/// The whole run.
+pub struct Run {
+    pub settings: Settings,
+    pub results: Vec<Results>,
+    pub probes: Vec<Probe>,
+    pub hz: f64,
+    pub wall_s: f64,
+    pub loadavg_after: String,
+}
+
+/// Idle share below which the machine counts as busy.
+pub const BUSY_IDLE_PCT: f64 = 90.0;
+/// Other processes' CPU share of one CPU during a bulk window beyond which it was busy.
+pub const BUSY_FOREIGN_SHARE: f64 = 0.05;
+
+pub fn run(s: Settings, servers: &Servers) -> anyhow::Result<Run> {
+    let hz = sys::hz();
+    let me = std::process::id() as i32;
+    let started = Instant::now();
+    let setup = Setup {
+        dir: &s.work,
+        servers,
+        waypoint_bin: &s.waypoint_bin,
+        max_connections: s.idle_conns + 1024,
+        nofile: s.nofile,
+    };
+    // The memory runs start second instances: their configs, pid files and logs go apart.
+    let mem_dir = s.work.join("memory");
+    std::fs::create_dir_all(&mem_dir)?;
+    let mem_setup = Setup {
+        dir: &mem_dir,
+        ..setup
+    };
+    let mut routers = Vec::new();
+    for &kind in &s.kinds {
+        eprintln!("starting {}", kind.name());
+        routers.push(Router::start(kind, &setup)?);
+    }
+    let mut results: Vec<Results> = s
+        .kinds
+        .iter()
+        .map(|&kind| Results {
+            kind,
+            bulk: vec![Vec::new(); s.bulk_conns.len()],
+            ping: [Vec::new(), Vec::new()],
+            setup: [Vec::new(), Vec::new()],
+            memory: Vec::new(),
+            errors: Vec::new(),
+        })
+        .collect();
+    let mut probes = Vec::new();
+    for rep in 1..=s.reps {
+        let probe = Probe {
+            rep,
+            idle_pct: sys::idle_probe(Duration::from_secs(1))?,
+            loadavg: sys::loadavg().1,
+            top: sys::top_foreign(&[me], Duration::from_millis(500), hz),
+        };
+        eprintln!(
+            "[rep {rep}] quiet check: idle {:.0}%, loadavg {}{}",
+            probe.idle_pct,
+            probe.loadavg,
+            if probe.idle_pct < BUSY_IDLE_PCT {
+                format!(" — BUSY: {}", top_line(&probe.top))
+            } else {
+                String::new()
+            }
+        );
+        probes.push(probe);
+        for (r, out) in routers.iter().zip(results.iter_mut()) {
+            measure(&s, servers, r, out, rep, me, hz);
+        }
+        for (kind, out) in s.kinds.iter().zip(results.iter_mut()) {
+            if *kind == Kind::Direct {
+                continue;
+            }
+            match memory(&s, &mem_setup, *kind) {
+                Ok(m) => {
+                    if let Some(e) = &m.error {
+                        out.errors.push(format!(
+                            "rep {rep} memory: only {} of {} idle connections opened ({e}); the figure is over those",
+                            m.opened, m.wanted
+                        ));
+                    }
+                    eprintln!(
+                        "[rep {rep}] {:<8} memory: {} idle connections, RSS {:.1} → {:.1} MiB, {:.0} B/conn",
+                        kind.name(),
+                        m.opened,
+                        m.rss_before as f64 / 1048576.0,
+                        m.rss_after as f64 / 1048576.0,
+                        m.per_conn()
+                    );
+                    out.memory.push(m);
+                }
+                Err(e) => {
+                    eprintln!("[rep {rep}] {:<8} memory FAILED: {e:#}", kind.name());
+                    out.errors.push(format!("rep {rep} memory: {e:#}"));
+                }
+            }
+        }
+    }
+    for mut r in routers {
+        r.stop();
+    }
+    Ok(Run {
+        settings: s,
+        results,
+        probes,
+        hz,
+        wall_s: started.elapsed().as_secs_f64(),
+        loadavg_after: sys::loadavg().1,
+    })
+}
+
+pub fn top_line(top: &[(String, f64)]) -> String {
+    top.iter()
+        .map(|(n, s)| format!("{n} {s:.2}s"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// One repetition of every throughput and latency figure for one router. A failing
+/// figure is recorded and the rest still run.
+fn measure(
+    s: &Settings,
+    servers: &Servers,
+    r: &Router,
+    out: &mut Results,
+    rep: usize,
+    me: i32,
+    hz: f64,
+) {
+    let name = r.kind.name();
+    for (i, &conns) in s.bulk_conns.iter().enumerate() {
+        match load::bulk(&r.sink, servers, conns, s.warmup, s.duration, &[me], hz) {
+            Ok(b) => {
+                let busy = b.foreign_s / b.secs > BUSY_FOREIGN_SHARE;
+                eprintln!(
+                    "[rep {rep}] {name:<8} bulk x{conns:<3} {:6.2} Gbit/s, {:.2} CPU s/GB, idle {:.0}%{}",
+                    b.gbps(),
+                    b.cpu_s_per_gb(hz),
+                    b.cpu.idle_pct(),
+                    if busy {
+                        format!(" (other processes took {:.0}% of a CPU)", 100.0 * b.foreign_s / b.secs)
+                    } else {
+                        String::new()
+                    }
+                );
+                out.bulk[i].push(b);
+            }
+            Err(e) => {
+                eprintln!("[rep {rep}] {name:<8} bulk x{conns} FAILED: {e}");
+                out.errors.push(format!("rep {rep} bulk x{conns}: {e}"));
+            }
+        }
+    }
+    for (slot, pinned) in [(0, false), (1, true)] {
+        if pinned {
+            match sys::pin(&[me], Some(s.pin_cpu)) {
+                Ok(refused) if !refused.is_empty() => eprintln!(
+                    "[rep {rep}] {name:<8} note: threads that could not be pinned: {}",
+                    refused.join(", ")
+                ),
+                Ok(_) => {}
+                Err(e) => {
+                    out.errors.push(format!("rep {rep} pinning: {e}"));
+                    continue;
+                }
+            }
+        }
+        let label = if pinned { "pinned" } else { "unpinned" };
+        match load::ping_pong(&r.echo, s.pings_warmup, s.pings) {
+            Ok(l) => {
+                eprintln!(
+                    "[rep {rep}] {name:<8} ping-pong {label}: p50 {:.1} µs, p99 {:.1}, p99.9 {:.1}",
+                    l.p50, l.p99, l.p999
+                );
+                out.ping[slot].push(l);
+            }
+            Err(e) => {
+                eprintln!("[rep {rep}] {name:<8} ping-pong {label} FAILED: {e}");
+                out.errors.push(format!("rep {rep} ping-pong {label}: {e}"));
+            }
+        }
+        match load::setup(&r.echo, servers, s.setups) {
+            Ok((l, rate)) => {
+                eprintln!(
+                    "[rep {rep}] {name:<8} setup {label}: p50 {:.1} µs, p99 {:.1}, {rate:.0} conn/s",
+                    l.p50, l.p99
+                );
+                out.setup[slot].push((l, rate));
+            }
+            Err(e) => {
+                eprintln!("[rep {rep}] {name:<8} setup {label} FAILED: {e}");
+                out.errors.push(format!("rep {rep} setup {label}: {e}"));
+            }
+        }
+        if pinned {
+            if let Err(e) = sys::pin(&[me], None) {
+                out.errors.push(format!("rep {rep} unpinning: {e}"));
+            }
+        }
+    }
+}
+
+/// A fresh router of `kind` (so earlier runs' allocations do not hide the growth) holding
+/// `idle_conns` established, idle connections.
+fn memory(s: &Settings, setup: &Setup<'_>, kind: Kind) -> anyhow::Result<Memory> {
+    let mut r = Router::start(kind, setup)?;
+    let pid = r
+        .pid()
+        .ok_or_else(|| anyhow::anyhow!("{} has no process", kind.name()))?;
+    std::thread::sleep(Duration::from_millis(300));
+    let rss_before = sys::rss_tree(pid);
+    let (conns, err) = load::open_idle(&r.echo, s.idle_conns);
+    // Let the router finish its per-connection work (eBPF insertion, task parking).
+    std::thread::sleep(Duration::from_secs(1));
+    let rss_after = sys::rss_tree(pid);
+    let opened = conns.len();
+    drop(conns);
+    r.stop();
+    let m = Memory {
+        rss_before,
+        rss_after,
+        opened,
+        wanted: s.idle_conns,
+        error: err.map(|e| e.to_string()),
+    };
+    // A router that stops accepting part way (out of file descriptors: splice holds two
+    // pipes per connection) still gives a per-connection figure, flagged.
+    if opened < s.idle_conns / 10 {
+        anyhow::bail!(
+            "opened {opened} of {} idle connections: {}",
+            s.idle_conns,
+            m.error.as_deref().unwrap_or("no error")
+        );
+    }
+    Ok(m)
+}

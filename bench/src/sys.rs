@@ -1,0 +1,376 @@
+//! What the benchmark reads from and sets on the machine: /proc/stat CPU time, the CPU
+//! time of processes that are not ours (to tell a busy machine), RSS of a process tree,
+//! CPU affinity and RLIMIT_NOFILE.
+
+use std::{collections::HashMap, time::Duration};
+
+/// Errors talking to the kernel.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// /proc could not be read or parsed.
+    #[error("reading {path}: {detail}")]
+    Proc {
+        /// The file.
+        path: String,
+        /// What went wrong.
+        detail: String,
+    },
+    /// A process refused its CPU affinity.
+    #[error("sched_setaffinity of process {pid} ({comm}): {source}")]
+    Affinity {
+        /// The process.
+        pid: i32,
+        /// Its name.
+        comm: String,
+        /// The cause.
+        source: nix::Error,
+    },
+    /// A system call failed.
+    #[error("{call}: {source}")]
+    Sys {
+        /// The call.
+        call: &'static str,
+        /// The cause.
+        source: nix::Error,
+    },
+}
+
+fn read(path: &str) -> Result<String, Error> {
+    std::fs::read_to_string(path).map_err(|e| Error::Proc {
+        path: path.to_owned(),
+        detail: e.to_string(),
+    })
+}
+
+/// Jiffies of the aggregate `cpu` line of /proc/stat.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CpuStat {
+    pub user: u64,
+    pub nice: u64,
+    pub system: u64,
+    pub idle: u64,
+    pub iowait: u64,
+    pub irq: u64,
+    pub softirq: u64,
+    pub steal: u64,
+}
+
+impl CpuStat {
+    pub fn read() -> Result<CpuStat, Error> {
+        let text = read("/proc/stat")?;
+        let line = text.lines().next().unwrap_or_default();
+        let v: Vec<u64> = line
+            .split_whitespace()
+            .skip(1)
+            .filter_map(|f| f.parse().ok())
+            .collect();
+        if v.len() < 8 {
+            return Err(Error::Proc {
+                path: "/proc/stat".into(),
+                detail: format!("unexpected first line {line:?}"),
+            });
+        }
+        Ok(CpuStat {
+            user: v[0],
+            nice: v[1],
+            system: v[2],
+            idle: v[3],
+            iowait: v[4],
+            irq: v[5],
+            softirq: v[6],
+            steal: v[7],
+        })
+    }
+
+    pub fn since(&self, before: &CpuStat) -> CpuStat {
+        CpuStat {
+            user: self.user.saturating_sub(before.user),
+            nice: self.nice.saturating_sub(before.nice),
+            system: self.system.saturating_sub(before.system),
+            idle: self.idle.saturating_sub(before.idle),
+            iowait: self.iowait.saturating_sub(before.iowait),
+            irq: self.irq.saturating_sub(before.irq),
+            softirq: self.softirq.saturating_sub(before.softirq),
+            steal: self.steal.saturating_sub(before.steal),
+        }
+    }
+
+    /// Jiffies doing work, softirq and irq included: the eBPF path works there.
+    pub fn busy(&self) -> u64 {
+        self.user + self.nice + self.system + self.irq + self.softirq
+    }
+
+    pub fn total(&self) -> u64 {
+        self.busy() + self.idle + self.iowait + self.steal
+    }
+
+    /// Share of CPU time idle, in percent.
+    pub fn idle_pct(&self) -> f64 {
+        if self.total() == 0 {
+            return 100.0;
+        }
+        100.0 * (self.idle + self.iowait) as f64 / self.total() as f64
+    }
+}
+
+/// Online CPUs of the machine. Not `available_parallelism`: that reads this thread's
+/// affinity, which pinning narrows.
+pub fn online_cpus() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    usize::try_from(n).unwrap_or(1).max(1)
+}
+
+/// Clock ticks per second (the unit of /proc/stat).
+pub fn hz() -> f64 {
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if hz > 0 {
+        hz as f64
+    } else {
+        100.0
+    }
+}
+
+/// The 1-minute load average and the whole /proc/loadavg line.
+pub fn loadavg() -> (f64, String) {
+    let text = read("/proc/loadavg").unwrap_or_default();
+    let one = text
+        .split_whitespace()
+        .next()
+        .and_then(|f| f.parse().ok())
+        .unwrap_or(0.0);
+    (one, text.trim().to_owned())
+}
+
+/// `(ppid, utime + stime jiffies, comm)` of one process, from /proc/PID/stat.
+fn proc_stat(pid: i32) -> Option<(i32, u64, String)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // "pid (comm) state ppid ..."; comm may hold spaces and parens, so split at the last ')'.
+    let open = stat.find('(')?;
+    let close = stat.rfind(')')?;
+    let rest: Vec<&str> = stat.get(close + 1..)?.split_whitespace().collect();
+    let ppid = rest.get(1)?.parse().ok()?;
+    let utime: u64 = rest.get(11)?.parse().ok()?;
+    let stime: u64 = rest.get(12)?.parse().ok()?;
+    Some((ppid, utime + stime, stat.get(open + 1..close)?.to_owned()))
+}
+
+fn all_pids() -> Vec<i32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .collect()
+}
+
+/// `pid` and all its descendants.
+pub fn tree(pid: i32) -> Vec<i32> {
+    let parents: HashMap<i32, i32> = all_pids()
+        .into_iter()
+        .filter_map(|p| Some((p, proc_stat(p)?.0)))
+        .collect();
+    let mut out = vec![pid];
+    let mut i = 0;
+    while i < out.len() {
+        let parent = out[i];
+        out.extend(
+            parents
+                .iter()
+                .filter(|(_, pp)| **pp == parent)
+                .map(|(p, _)| *p),
+        );
+        i += 1;
+    }
+    out
+}
+
+/// A snapshot that tells, over an interval, how much CPU other processes took.
+pub struct Foreign {
+    ours: Vec<i32>,
+    /// Processes seen at the start: a process born in the interval counts from zero.
+    by_pid: HashMap<i32, u64>,
+}
+
+impl Foreign {
+    pub fn start(ours: &[i32]) -> Foreign {
+        Foreign {
+            ours: ours.to_vec(),
+            by_pid: Self::snapshot(ours),
+        }
+    }
+
+    fn snapshot(ours: &[i32]) -> HashMap<i32, u64> {
+        let mut mine = std::collections::HashSet::new();
+        for &p in ours {
+            mine.extend(tree(p));
+        }
+        // Kernel threads (children of kthreadd, pid 2): softirq and kworker time is our
+        // own traffic's and already in /proc/stat.
+        mine.extend(tree(2));
+        all_pids()
+            .into_iter()
+            .filter(|p| !mine.contains(p))
+            .filter_map(|p| Some((p, proc_stat(p)?.1)))
+            .collect()
+    }
+
+    /// CPU seconds other processes used since `start`.
+    pub fn seconds(&self, hz: f64) -> f64 {
+        let now = Self::snapshot(&self.ours);
+        let mut used = 0u64;
+        for (pid, j) in &now {
+            used += j.saturating_sub(self.by_pid.get(pid).copied().unwrap_or(0));
+        }
+        used as f64 / hz
+    }
+}
+
+/// Resident set size of a process tree, in bytes (VmRSS of each process, summed).
+pub fn rss_tree(pid: i32) -> u64 {
+    tree(pid).into_iter().map(rss).sum()
+}
+
+/// VmRSS of one process, in bytes; 0 when it is gone.
+pub fn rss(pid: i32) -> u64 {
+    let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+        return 0;
+    };
+    text.lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        .map_or(0, |kib| kib * 1024)
+}
+
+/// Sets the CPU affinity of every thread of every process in the trees rooted at `pids`.
+/// `cpu` None: all online CPUs. Returns the threads that refused (EINVAL: kernel-owned
+/// helper threads such as io workers, or threads exiting); a process leader refusing is
+/// an error.
+pub fn pin(pids: &[i32], cpu: Option<usize>) -> Result<Vec<String>, Error> {
+    let mut set = nix::sched::CpuSet::new();
+    for c in 0..online_cpus() {
+        if cpu.is_none_or(|want| want == c) {
+            set.set(c).map_err(|source| Error::Sys {
+                call: "CPU_SET",
+                source,
+            })?;
+        }
+    }
+    let mut refused = Vec::new();
+    for &root in pids {
+        for pid in tree(root) {
+            let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+                continue;
+            };
+            for task in tasks.flatten() {
+                let Some(tid) = task
+                    .file_name()
+                    .to_str()
+                    .and_then(|t| t.parse::<i32>().ok())
+                else {
+                    continue;
+                };
+                // A thread may exit between the listing and the call: ESRCH is fine.
+                match nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(tid), &set) {
+                    Ok(()) | Err(nix::Error::ESRCH) => {}
+                    Err(nix::Error::EINVAL) if tid != pid => {
+                        let comm = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm"))
+                            .unwrap_or_default();
+                        refused.push(format!("{pid}/{tid} {}", comm.trim()));
+                    }
+                    Err(source) => {
+                        let comm = std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                            .unwrap_or_default();
+                        return Err(Error::Affinity {
+                            pid,
+                            comm: comm.trim().to_owned(),
+                            source,
+                        });
+                    }
+                }
+            }
+        }
+    }
+    Ok(refused)
+}
+
+/// Raises this process's RLIMIT_NOFILE (children inherit it) towards `want`; returns the
+/// soft limit reached. Without CAP_SYS_RESOURCE (containers) only the soft limit can rise,
+/// up to the hard one: callers size their runs by the result.
+pub fn raise_nofile(want: u64) -> Result<u64, Error> {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).map_err(|source| Error::Sys {
+        call: "getrlimit",
+        source,
+    })?;
+    if soft >= want {
+        return Ok(soft);
+    }
+    let nr_open: u64 = read("/proc/sys/fs/nr_open")?.trim().parse().unwrap_or(hard);
+    let new = want.min(nr_open);
+    if new > hard && setrlimit(Resource::RLIMIT_NOFILE, new, new).is_ok() {
+        return Ok(new);
+    }
+    let new = new.min(hard);
+    setrlimit(Resource::RLIMIT_NOFILE, new, hard).map_err(|source| Error::Sys {
+        call: "setrlimit(RLIMIT_NOFILE)",
+        source,
+    })?;
+    Ok(new)
+}
+
+/// Idle share of the machine over `window`, in percent, while the benchmark does nothing.
+pub fn idle_probe(window: Duration) -> Result<f64, Error> {
+    let a = CpuStat::read()?;
+    std::thread::sleep(window);
+    Ok(CpuStat::read()?.since(&a).idle_pct())
+}
+
+/// Names of the busiest other processes over `window`, for the busy warning.
+pub fn top_foreign(ours: &[i32], window: Duration, hz: f64) -> Vec<(String, f64)> {
+    let before: HashMap<i32, (u64, String)> = all_pids()
+        .into_iter()
+        .filter_map(|p| {
+            let (_, j, c) = proc_stat(p)?;
+            Some((p, (j, c)))
+        })
+        .collect();
+    std::thread::sleep(window);
+    let mut mine = std::collections::HashSet::new();
+    for &p in ours {
+        mine.extend(tree(p));
+    }
+    mine.extend(tree(2));
+    let mut by_name: HashMap<String, f64> = HashMap::new();
+    for p in all_pids() {
+        if mine.contains(&p) {
+            continue;
+        }
+        let Some((_, j, comm)) = proc_stat(p) else {
+            continue;
+        };
+        let j0 = before.get(&p).map_or(0, |(j, _)| *j);
+        *by_name.entry(comm).or_default() += j.saturating_sub(j0) as f64 / hz;
+    }
+    let mut v: Vec<_> = by_name.into_iter().filter(|(_, s)| *s > 0.0).collect();
+    v.sort_by(|a, b| b.1.total_cmp(&a.1));
+    v.truncate(5);
+    v
+}
+
+/// Whether conntrack tracks loopback flows here, and its table size: at 100k proxied
+/// connections a full table drops SYNs.
+pub fn conntrack() -> Option<(u64, u64)> {
+    let count = read("/proc/sys/net/netfilter/nf_conntrack_count")
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    let max = read("/proc/sys/net/netfilter/nf_conntrack_max")
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    Some((count, max))
+}
