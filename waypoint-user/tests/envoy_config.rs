@@ -183,6 +183,20 @@ fn decode(pool: &DescriptorPool, name: &str, json: &str) -> Bootstrap {
     Bootstrap::decode(dynamic.encode_to_vec().as_slice()).unwrap()
 }
 
+/// The typed config of a transport socket (its only config form).
+fn socket_config(
+    m: &envoy_types::pb::envoy::config::cluster::v3::cluster::TransportSocketMatch,
+) -> &Any {
+    let envoy_types::pb::envoy::config::core::v3::transport_socket::ConfigType::TypedConfig(any) =
+        m.transport_socket
+            .as_ref()
+            .unwrap()
+            .config_type
+            .as_ref()
+            .unwrap();
+    any
+}
+
 fn unpack<M: prost::Message + Default>(any: &Any) -> M {
     M::decode(any.value.as_slice()).unwrap()
 }
@@ -252,17 +266,7 @@ fn goldens_are_valid_envoy_v3() {
         );
         // The sockets differ only in SNI.
         for m in &cluster.transport_socket_matches {
-            let any = m
-                .transport_socket
-                .as_ref()
-                .unwrap()
-                .config_type
-                .as_ref()
-                .map(|c| match c {
-                    envoy_types::pb::envoy::config::core::v3::transport_socket::ConfigType::TypedConfig(a) => a.clone(),
-                })
-                .unwrap();
-            let mut tls: UpstreamTlsContext = unpack(&any);
+            let mut tls: UpstreamTlsContext = unpack(socket_config(m));
             let want = if m.name.starts_with("waypoint/") {
                 // outbound|9080|<svc>.<ns>
                 let svc_ns = cluster.name.rsplit('|').next().unwrap();
@@ -282,10 +286,7 @@ fn goldens_are_valid_envoy_v3() {
                 .iter()
                 .find(|t| t.name == twin)
                 .unwrap();
-            let twin_any = match twin.transport_socket.as_ref().unwrap().config_type.as_ref().unwrap() {
-                envoy_types::pb::envoy::config::core::v3::transport_socket::ConfigType::TypedConfig(a) => a,
-            };
-            let mut twin_tls: UpstreamTlsContext = unpack(twin_any);
+            let mut twin_tls: UpstreamTlsContext = unpack(socket_config(twin));
             twin_tls.sni.clear();
             assert_eq!(
                 tls, twin_tls,
@@ -347,7 +348,9 @@ fn priorities_and_weights_of_the_mixed_case() {
     let la = outbound(&b).load_assignment.clone().unwrap();
     // Tier 0: own cluster a (direct, both localities); 1: b (same zone); 2: c (same
     // region); 3: d (elsewhere). e is not exported; d-2 has no node IP.
-    let summary: Vec<(u32, String, Vec<(String, u32)>)> = la
+    // (priority, region/zone, [(address, weight)])
+    type Tier = (u32, String, Vec<(String, u32)>);
+    let summary: Vec<Tier> = la
         .endpoints
         .iter()
         .map(|l| {
