@@ -8,6 +8,7 @@ use anyhow::Context as _;
 use serde::Serialize;
 
 use crate::{
+    envoy,
     horizon::{self, Mode, Query},
     model::Endpoint,
     registry::{
@@ -70,22 +71,20 @@ pub enum Output {
     Json,
 }
 
-/// `waypoint resolve`.
+/// Who is looking: the split-horizon viewer of `resolve` and `envoy-config`.
 #[derive(Clone, Debug, clap::Args)]
-pub struct ResolveArgs {
-    /// The service port: `<service>.<namespace>:<port>`, e.g. `reviews.bookinfo:9080`.
-    pub target: Query,
-
-    // --registry and the etcd TLS flags.
-    #[command(flatten)]
-    pub source: Source,
-
+pub struct ViewerArgs {
     /// The viewer's cluster: whose horizon to show.
     #[arg(long, env = "WAYPOINT_CLUSTER", default_value = "local")]
     pub cluster: String,
 
     /// The viewer's node (with `--east-west-waypoint always`, pods there stay direct).
-    #[arg(long, env = "WAYPOINT_NODE_NAME", default_value = "local")]
+    #[arg(
+        long,
+        visible_alias = "node-name",
+        env = "WAYPOINT_NODE_NAME",
+        default_value = "local"
+    )]
     pub node: String,
 
     /// The viewer's region (for locality priorities).
@@ -99,6 +98,7 @@ pub struct ResolveArgs {
     /// Split-horizon mode: `off`, `cross-cluster` or `always` (see `waypoint run --help`).
     #[arg(
         long,
+        visible_alias = "mode",
         env = "WAYPOINT_EAST_WEST_WAYPOINT",
         value_enum,
         default_value = "off"
@@ -116,10 +116,95 @@ pub struct ResolveArgs {
     /// The pods' inbound port.
     #[arg(long, env = "WAYPOINT_POD_PORT", default_value_t = 15008)]
     pub pod_port: u16,
+}
+
+impl ViewerArgs {
+    /// The viewer these flags describe.
+    pub fn viewer(&self) -> horizon::Viewer {
+        horizon::Viewer {
+            cluster: self.cluster.clone(),
+            node: self.node.clone(),
+            region: self.region.clone(),
+            zone: self.zone.clone(),
+            mode: self.east_west_waypoint,
+            mesh_domain: self.mesh_domain.clone(),
+            tunnel_port: self.tunnel_port,
+            pod_port: self.pod_port,
+        }
+    }
+}
+
+/// `waypoint resolve`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct ResolveArgs {
+    /// The service port: `<service>.<namespace>:<port>`, e.g. `reviews.bookinfo:9080`.
+    pub target: Query,
+
+    // --registry and the etcd TLS flags.
+    #[command(flatten)]
+    pub source: Source,
+
+    // --cluster, --node, --region, --zone, --east-west-waypoint, --mesh-domain,
+    // --tunnel-port, --pod-port.
+    #[command(flatten)]
+    pub viewer: ViewerArgs,
 
     /// `table` or `json`.
     #[arg(long, short, value_enum, default_value = "table")]
     pub output: Output,
+}
+
+/// `waypoint envoy-config`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct EnvoyConfigArgs {
+    /// The service: `<service>.<namespace>`, e.g. `reviews.bookinfo`.
+    #[arg(long)]
+    pub service: String,
+
+    /// The service port, e.g. `9080`.
+    #[arg(long)]
+    pub port: u16,
+
+    // --registry and the etcd TLS flags.
+    #[command(flatten)]
+    pub source: Source,
+
+    // --cluster, --node, --region, --zone, --east-west-waypoint (--mode), --mesh-domain,
+    // --tunnel-port, --pod-port.
+    #[command(flatten)]
+    pub viewer: ViewerArgs,
+
+    /// A source pod on this node: `VALUE=NAMESPACE/SERVICE_ACCOUNT`, where VALUE is what
+    /// its connections carry in filter state under --source-key (e.g. its network
+    /// namespace). Repeat for each source. Its certificate is the SDS secret named by its
+    /// SPIFFE ID.
+    #[arg(long = "source", required = true)]
+    pub sources: Vec<envoy::Source>,
+
+    /// The filter-state key the transport socket matcher reads to tell sources apart.
+    #[arg(
+        long,
+        env = "WAYPOINT_ENVOY_SOURCE_KEY",
+        default_value = "envoy.network.namespace"
+    )]
+    pub source_key: String,
+
+    /// SPIFFE trust domain shared by the clusters.
+    #[arg(long, env = "WAYPOINT_TRUST_DOMAIN", default_value = "cluster.local")]
+    pub trust_domain: String,
+
+    /// Name of the Envoy cluster serving SDS (the SPIRE agent); it must exist in the
+    /// proxy's bootstrap.
+    #[arg(
+        long,
+        env = "WAYPOINT_ENVOY_SDS_CLUSTER",
+        default_value = "spire_agent"
+    )]
+    pub sds_cluster: String,
+
+    /// Connect timeout of the outbound cluster.
+    #[arg(long, value_parser = crate::config::parse_duration, default_value = "1s")]
+    pub connect_timeout: std::time::Duration,
 }
 
 /// `waypoint registry ...`.
@@ -247,21 +332,58 @@ pub struct DeleteArgs {
 /// Runs `waypoint resolve`.
 pub async fn resolve(args: ResolveArgs) -> anyhow::Result<()> {
     let endpoints = args.source.endpoints().await?;
-    let viewer = horizon::Viewer {
-        cluster: args.cluster,
-        node: args.node,
-        region: args.region,
-        zone: args.zone,
-        mode: args.east_west_waypoint,
-        mesh_domain: args.mesh_domain,
-        tunnel_port: args.tunnel_port,
-        pod_port: args.pod_port,
-    };
+    let viewer = args.viewer.viewer();
     let view = horizon::resolve(&viewer, &args.target, endpoints.iter().map(|(_, e)| e));
     let out = match args.output {
         Output::Table => view.table(),
         Output::Json => serde_json::to_string_pretty(&view)? + "\n",
     };
+    std::io::stdout().write_all(out.as_bytes())?;
+    Ok(())
+}
+
+/// Runs `waypoint envoy-config`: prints the Bootstrap JSON on stdout, what the view left
+/// out on stderr.
+pub async fn envoy_config(args: EnvoyConfigArgs) -> anyhow::Result<()> {
+    let (service, namespace) = args
+        .service
+        .split_once('.')
+        .filter(|(s, n)| !s.is_empty() && !n.is_empty() && !n.contains('.'))
+        .with_context(|| {
+            format!(
+                "--service {:?} is not <service>.<namespace> (e.g. reviews.bookinfo)",
+                args.service
+            )
+        })?;
+    anyhow::ensure!(args.port != 0, "--port must not be 0");
+    let query = Query {
+        service: service.to_owned(),
+        namespace: namespace.to_owned(),
+        port: args.port,
+    };
+    let endpoints: Vec<Endpoint> = args
+        .source
+        .endpoints()
+        .await?
+        .into_iter()
+        .map(|(_, e)| e)
+        .collect();
+    let config = envoy::Config {
+        trust_domain: args.trust_domain,
+        sds_cluster: args.sds_cluster,
+        source_key: args.source_key,
+        sources: args.sources,
+        connect_timeout: args.connect_timeout,
+    };
+    let generated = envoy::generate(&config, &args.viewer.viewer(), &query, &endpoints)?;
+    let left = &generated.view.left_out;
+    if left.not_ready + left.not_exported + left.no_node_ip > 0 {
+        eprintln!(
+            "left out: not_ready={} not_exported={} no_node_ip={}",
+            left.not_ready, left.not_exported, left.no_node_ip
+        );
+    }
+    let out = serde_json::to_string_pretty(&generated.bootstrap)? + "\n";
     std::io::stdout().write_all(out.as_bytes())?;
     Ok(())
 }

@@ -7,6 +7,7 @@ pub mod app;
 pub mod cli;
 pub mod config;
 pub mod dataplane;
+pub mod envoy;
 pub mod horizon;
 pub mod metrics;
 pub mod model;

@@ -21,6 +21,11 @@ enum Command {
     /// Print what a source in a cluster dials for each endpoint of a service port (the
     /// split-horizon view), read from the registry.
     Resolve(waypoint::cli::ResolveArgs),
+    /// Print the Envoy v3 configuration of a service port as a source on this node
+    /// sees it: the outbound cluster (local pods direct at pod_ip:15008, other clusters'
+    /// through their node's waypoint, same cluster first) with its two-level transport
+    /// socket matcher, and the pod-inbound listener. JSON (a Bootstrap's static_resources).
+    EnvoyConfig(Box<waypoint::cli::EnvoyConfigArgs>),
     /// Manage registry records by hand (workloads outside Kubernetes, labs).
     #[command(subcommand)]
     Registry(waypoint::cli::RegistryCommand),
@@ -33,6 +38,7 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Run(config) => runtime.block_on(waypoint::app::run(*config)),
         Command::Resolve(args) => runtime.block_on(waypoint::cli::resolve(args)),
+        Command::EnvoyConfig(args) => runtime.block_on(waypoint::cli::envoy_config(*args)),
         Command::Registry(cmd) => runtime.block_on(waypoint::cli::registry(cmd)),
     }
 }

@@ -8,6 +8,8 @@ use std::{
 use anyhow::{bail, Context as _};
 use clap::{Parser, Subcommand};
 
+mod kind;
+
 #[derive(Debug, Parser)]
 #[command(about = "waypoint developer tasks")]
 struct Cli {
@@ -50,6 +52,17 @@ enum Task {
         /// The waypoints' dataplane: ebpf, splice, copy or auto.
         #[arg(long, default_value = "ebpf")]
         dataplane: String,
+    },
+    /// Kubernetes end to end (needs Docker, kind and kubectl; not part of `test`): two kind
+    /// clusters with the same pod subnet and Flannel, a shared etcd container, the
+    /// waypoint image built (deploy/Dockerfile) and loaded, the DaemonSet of
+    /// deploy/kubernetes applied; then a pod in cluster A reaches an exported service in
+    /// cluster B through B's node waypoint, checked in the waypoint's metrics.
+    /// Fails at once, naming what is missing, when a tool is absent.
+    E2eKind {
+        /// Leave the clusters and etcd running afterwards.
+        #[arg(long)]
+        keep: bool,
     },
     /// Fuzz the ClientHello/SNI parser for a while (cargo-fuzz, nightly).
     Fuzz {
@@ -140,6 +153,15 @@ fn main() -> anyhow::Result<()> {
         Task::Test { no_lint } => test(&root, no_lint),
         Task::Fuzz { seconds } => fuzz(&root, seconds),
         Task::Demo { keep, dataplane } => demo(&root, keep, &dataplane),
+        Task::E2eKind { keep } => {
+            // Printed and exited here rather than returned: an anyhow error would capture
+            // and symbolize a backtrace under RUST_BACKTRACE=1, which takes seconds.
+            if let Err(e) = kind::preflight() {
+                eprintln!("error: {e}");
+                std::process::exit(1);
+            }
+            kind::e2e(&root, keep)
+        }
         Task::Bench {
             which: None,
             compare,
