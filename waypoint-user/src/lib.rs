@@ -8,6 +8,7 @@ pub mod cli;
 pub mod config;
 pub mod dataplane;
 pub mod horizon;
+pub mod kubernetes;
 pub mod metrics;
 pub mod model;
 pub mod registry;
