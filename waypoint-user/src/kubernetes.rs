@@ -41,8 +41,8 @@ use crate::registry::etcd::{LocalSet, NodeIdentity};
 /// Errors of the Kubernetes source.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// No usable client configuration.
-    #[error("no Kubernetes API client (in-cluster service account, or KUBECONFIG / ~/.kube/config): {0}")]
+    /// No usable client configuration (the cause is the source: the error chain shows it).
+    #[error("no Kubernetes API client configuration: check the in-cluster service account, or KUBECONFIG / ~/.kube/config")]
     Client(#[source] kube::Error),
 }
 

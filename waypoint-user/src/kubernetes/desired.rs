@@ -553,8 +553,9 @@ mod tests {
             json!({"app": "reviews"}),
             json!([{"port": 9080}]),
         );
-        let ready =
-            |slices: &[EndpointSlice]| compute(&[reviews_pod()], &[svc.clone()], slices)[0].ready;
+        let ready = |slices: &[EndpointSlice]| {
+            compute(&[reviews_pod()], std::slice::from_ref(&svc), slices)[0].ready
+        };
         // Not in any slice yet: the cluster does not route to it either.
         assert!(!ready(&[]));
         assert!(ready(&[slice(
