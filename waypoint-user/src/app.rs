@@ -11,6 +11,7 @@ use crate::{
     admin::{Admin, Api, Readiness},
     config::Config,
     dataplane::{copy::Copy, ebpf::Ebpf, splice::Splice, Dataplane, Kind},
+    kubernetes,
     metrics::Metrics,
     registry::{self, etcd},
     router::{self, Router},
@@ -76,6 +77,11 @@ impl App {
         let mut metrics = Metrics::new(dataplane.clone());
         let router_metrics = router::Metrics::new(metrics.registry_mut());
         let registry_metrics = registry::metrics::Metrics::new(metrics.registry_mut());
+        let kubernetes_metrics = if config.kubernetes {
+            kubernetes::Metrics::new(metrics.registry_mut())
+        } else {
+            kubernetes::Metrics::unregistered()
+        };
         let metrics = Arc::new(metrics);
         let ready = Arc::new(Readiness::default());
         let stop = CancellationToken::new();
@@ -85,10 +91,18 @@ impl App {
         let store = Store::new();
         let mut etcd_health = None;
         let mut watcher = None;
+        if config.local_endpoints.is_some() && config.kubernetes {
+            anyhow::bail!(
+                "--kubernetes and --local-endpoints both say which pods this node registers: give one"
+            );
+        }
         if config.local_endpoints.is_some()
             && !matches!(config.registry, Some(registry::Location::Etcd(_)))
         {
             anyhow::bail!("--local-endpoints registers pods in etcd: it needs --registry etcd:URL");
+        }
+        if config.kubernetes && !matches!(config.registry, Some(registry::Location::Etcd(_))) {
+            anyhow::bail!("--kubernetes registers pods in etcd: it needs --registry etcd:URL");
         }
         match &config.registry {
             Some(registry::Location::File(path)) => {
@@ -103,13 +117,30 @@ impl App {
                     etcd::Watcher::new(connector.clone(), store.clone(), registry_metrics.clone())
                         .spawn(kill.clone()),
                 );
-                if let Some(path) = &config.local_endpoints {
+                let source = if let Some(path) = &config.local_endpoints {
                     // Fail at start on a broken file; later breakage keeps the last set.
                     etcd::load_local(path)?;
+                    Some(etcd::LocalSource::File(path.clone()))
+                } else if config.kubernetes {
+                    // Only the client configuration can fail here: an API server that is
+                    // down is waited for (the registrar writes nothing until every watched
+                    // set is listed), like etcd.
+                    let client = kubernetes::client().await.context("--kubernetes")?;
+                    let live = kubernetes::Source::new(
+                        client,
+                        kubernetes::Config::new(config.identity()),
+                        kubernetes_metrics.clone(),
+                    )
+                    .spawn(kill.clone());
+                    Some(etcd::LocalSource::Watch(live))
+                } else {
+                    None
+                };
+                if let Some(source) = source {
                     let registrar = etcd::Registrar::new(
                         connector,
                         config.identity(),
-                        etcd::LocalSource::File(path.clone()),
+                        source,
                         config.registry_lease_ttl,
                         registry_metrics.clone(),
                     );

@@ -62,8 +62,8 @@ pub struct Config {
     #[arg(long, env = "WAYPOINT_CLUSTER", default_value = "local")]
     pub cluster: String,
 
-    /// Name of this node (from the downward API in Kubernetes). Pods on this node are
-    /// preferred.
+    /// Name of this node (from the downward API `spec.nodeName` in Kubernetes). Pods on
+    /// this node are preferred; with --kubernetes, the Node object and the pods watched.
     #[arg(long, env = "WAYPOINT_NODE_NAME", default_value = "local")]
     pub node_name: String,
 
@@ -91,21 +91,34 @@ pub struct Config {
     /// lease and re-read when it changes: `{"endpoints": [{"service": "reviews",
     /// "namespace": "bookinfo", "pod_ip": "10.1.0.7", "pod_name": "reviews-1",
     /// "ports": [9080], "exported": true}]}`. Cluster, node, node IP and locality come from
-    /// the flags. Until the Kubernetes source exists, this is how a node registers pods.
-    #[arg(long, env = "WAYPOINT_LOCAL_ENDPOINTS")]
+    /// the flags. For nodes outside Kubernetes; in a cluster use --kubernetes instead.
+    #[arg(long, env = "WAYPOINT_LOCAL_ENDPOINTS", conflicts_with = "kubernetes")]
     pub local_endpoints: Option<PathBuf>,
 
+    /// etcd registry: register this node's pods from the Kubernetes API. Watches the Node
+    /// named by --node-name (its InternalIP and topology labels), the pods on it, every
+    /// Service and every EndpointSlice; a pod selected by a Service is registered with
+    /// the Service's target ports, ready as in the EndpointSlices, exported when the
+    /// Service is annotated `waypoint.dev/export: "true"`. The client comes from the
+    /// in-cluster service account, else KUBECONFIG. Not with --local-endpoints. See
+    /// docs/REGISTRY.md for the RBAC it needs.
+    #[arg(long, env = "WAYPOINT_KUBERNETES")]
+    pub kubernetes: bool,
+
     /// This node's IP as other clusters reach it: registered with this node's endpoints
-    /// so that sources elsewhere can dial them through this waypoint. Without it other
-    /// clusters leave this node's endpoints out.
+    /// so that sources elsewhere can dial them through this waypoint. With --kubernetes it
+    /// overrides the Node's InternalIP (which is used when this is unset). Without either,
+    /// other clusters leave this node's endpoints out.
     #[arg(long, env = "WAYPOINT_NODE_IP")]
     pub node_ip: Option<IpAddr>,
 
-    /// Locality of this node: region (topology.kubernetes.io/region).
+    /// Locality of this node: region. Empty with --kubernetes: the Node's
+    /// topology.kubernetes.io/region label.
     #[arg(long, env = "WAYPOINT_REGION", default_value = "")]
     pub region: String,
 
-    /// Locality of this node: zone (topology.kubernetes.io/zone).
+    /// Locality of this node: zone. Empty with --kubernetes: the Node's
+    /// topology.kubernetes.io/zone label.
     #[arg(long, env = "WAYPOINT_ZONE", default_value = "")]
     pub zone: String,
 

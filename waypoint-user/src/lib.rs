@@ -9,6 +9,7 @@ pub mod config;
 pub mod dataplane;
 pub mod envoy;
 pub mod horizon;
+pub mod kubernetes;
 pub mod metrics;
 pub mod model;
 pub mod registry;

@@ -96,9 +96,8 @@ fn run_command() -> clap::Command {
 }
 
 /// Variables the manifests may set that `waypoint run` does not parse as flags: the
-/// logging switch (read by telemetry), and the Kubernetes source, which lands in a
-/// separate change (#6, part 1) and is checked here as soon as the flag exists.
-const NOT_FLAGS: &[&str] = &["LOG_FORMAT", "WAYPOINT_KUBERNETES"];
+/// logging switch (read by telemetry).
+const NOT_FLAGS: &[&str] = &["LOG_FORMAT"];
 
 /// Parses the daemon's Config from environment-style pairs, as the container would.
 fn config_from_env(vars: &BTreeMap<String, String>) -> Config {
@@ -340,8 +339,6 @@ fn rbac_is_exactly_the_watch_list() {
         "/services:watch",
         "discovery.k8s.io/endpointslices:list",
         "discovery.k8s.io/endpointslices:watch",
-        "multicluster.x-k8s.io/serviceexports:list",
-        "multicluster.x-k8s.io/serviceexports:watch",
     ]
     .map(str::to_owned)
     .into();

@@ -7,7 +7,7 @@
 //! and re-writes when it can reach etcd again. Retries back off with `backon`.
 
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::BTreeMap,
     net::IpAddr,
     path::{Path, PathBuf},
     time::{Duration, SystemTime},
@@ -482,7 +482,7 @@ pub struct LocalDocument {
 }
 
 /// Who this node is: stamped on every record it registers.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct NodeIdentity {
     /// Cluster.
     pub cluster: String,
@@ -534,6 +534,16 @@ fn stamp(path: &Path) -> Option<(SystemTime, u64)> {
     Some((m.modified().ok()?, m.len()))
 }
 
+/// A node's desired registration as a live source computes it: who the node is now
+/// (its IP and locality may change) and its endpoints.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LocalSet {
+    /// Stamped on every record, instead of the registrar's own identity.
+    pub identity: NodeIdentity,
+    /// This node's pods.
+    pub endpoints: Vec<LocalEndpoint>,
+}
+
 /// Where the registrar's endpoints come from.
 #[derive(Clone, Debug)]
 pub enum LocalSource {
@@ -541,6 +551,10 @@ pub enum LocalSource {
     Fixed(Vec<LocalEndpoint>),
     /// A `--local-endpoints` file, re-read when it changes.
     File(PathBuf),
+    /// A live source (the Kubernetes watchers): every new value is synced to etcd.
+    /// `None` means the source does not know yet, and nothing is written until it does:
+    /// registering an empty set then would delete every record of a restarted node.
+    Watch(watch::Receiver<Option<LocalSet>>),
 }
 
 /// Keeps this node's endpoints registered under its lease.
@@ -577,15 +591,18 @@ impl Registrar {
         }
     }
 
-    fn desired(&self) -> Result<BTreeMap<String, Vec<u8>>, Error> {
-        let locals = match &self.source {
-            LocalSource::Fixed(v) => v.clone(),
-            LocalSource::File(p) => load_local(p)?.endpoints,
+    /// The records to hold. `live` is the current value of a [`LocalSource::Watch`].
+    fn desired(&self, live: Option<&LocalSet>) -> Result<BTreeMap<String, Vec<u8>>, Error> {
+        let (identity, locals) = match (&self.source, live) {
+            (LocalSource::Fixed(v), _) => (&self.identity, v.clone()),
+            (LocalSource::File(p), _) => (&self.identity, load_local(p)?.endpoints),
+            (LocalSource::Watch(_), Some(set)) => (&set.identity, set.endpoints.clone()),
+            (LocalSource::Watch(_), None) => (&self.identity, Vec::new()),
         };
         locals
             .iter()
             .map(|l| {
-                let ep = self.identity.endpoint(l);
+                let ep = identity.endpoint(l);
                 Ok((record::key(&ep)?, record::encode(&ep)))
             })
             .collect()
@@ -616,6 +633,24 @@ impl Registrar {
     }
 
     async fn session(&self, stop: &CancellationToken) -> Result<(), Error> {
+        // A clone of the source's receiver: each session starts from the latest value,
+        // whatever the previous session had seen.
+        let mut live = match &self.source {
+            LocalSource::Watch(rx) => Some(rx.clone()),
+            LocalSource::Fixed(_) | LocalSource::File(_) => None,
+        };
+        if let Some(rx) = live.as_mut() {
+            // Write nothing before the source knows the node's pods (see `Watch`), and
+            // take no lease before: it would expire unrenewed while we wait.
+            let known = tokio::select! {
+                _ = stop.cancelled() => return Ok(()),
+                r = rx.wait_for(Option::is_some) => r.is_ok(),
+            };
+            if !known {
+                // The source stopped before it ever knew: nothing to register.
+                live = None;
+            }
+        }
         let mut client = tokio::select! {
             _ = stop.cancelled() => return Ok(()),
             c = self.connector.connect() => c?,
@@ -624,12 +659,15 @@ impl Registrar {
         let lease = client.lease_grant(ttl, None).await?.id();
         self.metrics.lease_granted();
         let (mut keeper, mut acks) = client.lease_keep_alive(lease).await?;
-        let mut written = BTreeSet::new();
+        let mut written = BTreeMap::new();
         let mut last_stamp = match &self.source {
             LocalSource::File(p) => stamp(p),
-            LocalSource::Fixed(_) => None,
+            LocalSource::Fixed(_) | LocalSource::Watch(_) => None,
         };
-        let desired = self.desired()?;
+        let desired = match live.as_mut() {
+            Some(rx) => self.desired(rx.borrow_and_update().as_ref())?,
+            None => self.desired(None)?,
+        };
         self.sync(&mut client, lease, &desired, &mut written)
             .await?;
         info!(
@@ -643,15 +681,7 @@ impl Registrar {
         let mut poll = tokio::time::interval(LOCAL_POLL);
         loop {
             tokio::select! {
-                _ = stop.cancelled() => {
-                    match tokio::time::timeout(REVOKE_TIMEOUT, client.lease_revoke(lease)).await {
-                        Ok(Ok(_)) => info!(lease = format!("{lease:x}"), "registrar: lease revoked"),
-                        Ok(Err(e)) => warn!(error = %e, "registrar: revoking the lease failed; its records expire with it"),
-                        Err(_) => warn!("registrar: revoking the lease timed out; its records expire with it"),
-                    }
-                    self.metrics.set_registered(0);
-                    return Ok(());
-                }
+                _ = stop.cancelled() => return self.revoke(&mut client, lease).await,
                 _ = renew.tick() => keeper.keep_alive().await?,
                 ack = acks.message() => match ack? {
                     Some(a) if a.ttl() > 0 => {}
@@ -664,7 +694,7 @@ impl Registrar {
                         continue;
                     }
                     last_stamp = now;
-                    match self.desired() {
+                    match self.desired(None) {
                         Ok(desired) => {
                             self.sync(&mut client, lease, &desired, &mut written).await?;
                             info!(endpoints = written.len(), "registrar: local endpoints changed");
@@ -672,19 +702,48 @@ impl Registrar {
                         Err(e) => warn!(error = %e, "registrar: local endpoints not reloaded; keeping the registered ones"),
                     }
                 }
+                changed = changed(live.as_mut()), if live.is_some() => {
+                    let Some(rx) = live.as_mut().filter(|_| changed.is_ok()) else {
+                        // The source is gone (shutting down): keep what is registered.
+                        live = None;
+                        continue;
+                    };
+                    let desired = self.desired(rx.borrow_and_update().as_ref())?;
+                    self.sync(&mut client, lease, &desired, &mut written).await?;
+                    debug!(endpoints = written.len(), "registrar: local endpoints changed");
+                }
             }
         }
     }
 
-    /// Makes etcd hold exactly `desired` among the keys this registrar wrote.
+    /// Revokes the lease at shutdown (bounded: a dead etcd must not hold up the drain).
+    async fn revoke(&self, client: &mut Client, lease: i64) -> Result<(), Error> {
+        match tokio::time::timeout(REVOKE_TIMEOUT, client.lease_revoke(lease)).await {
+            Ok(Ok(_)) => info!(lease = format!("{lease:x}"), "registrar: lease revoked"),
+            Ok(Err(e)) => {
+                warn!(error = %e, "registrar: revoking the lease failed; its records expire with it")
+            }
+            Err(_) => warn!("registrar: revoking the lease timed out; its records expire with it"),
+        }
+        self.metrics.set_registered(0);
+        Ok(())
+    }
+
+    /// Makes etcd hold exactly `desired` among the keys this registrar wrote. A record
+    /// written with the same value in this session is not written again: a live source
+    /// changes often (one pod at a time) and each change would otherwise rewrite every
+    /// record of the node.
     async fn sync(
         &self,
         client: &mut Client,
         lease: i64,
         desired: &BTreeMap<String, Vec<u8>>,
-        written: &mut BTreeSet<String>,
+        written: &mut BTreeMap<String, Vec<u8>>,
     ) -> Result<(), Error> {
         for (key, value) in desired {
+            if written.get(key) == Some(value) {
+                continue;
+            }
             client
                 .put(
                     key.clone(),
@@ -692,10 +751,10 @@ impl Registrar {
                     Some(PutOptions::new().with_lease(lease)),
                 )
                 .await?;
-            written.insert(key.clone());
+            written.insert(key.clone(), value.clone());
         }
         let gone: Vec<String> = written
-            .iter()
+            .keys()
             .filter(|k| !desired.contains_key(*k))
             .cloned()
             .collect();
@@ -705,6 +764,16 @@ impl Registrar {
         }
         self.metrics.set_registered(written.len());
         Ok(())
+    }
+}
+
+/// Waits for the next value of a live source; pending for ever without one.
+async fn changed(
+    rx: Option<&mut watch::Receiver<Option<LocalSet>>>,
+) -> Result<(), watch::error::RecvError> {
+    match rx {
+        Some(rx) => rx.changed().await,
+        None => std::future::pending().await,
     }
 }
 
