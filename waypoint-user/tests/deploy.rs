@@ -85,7 +85,7 @@ fn daemonset() -> DaemonSet {
 }
 
 fn container(ds: &DaemonSet) -> Container {
-    let spec = ds.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
+    let spec = ds.spec.template.spec.as_ref().unwrap();
     assert_eq!(spec.containers.len(), 1);
     spec.containers[0].clone()
 }
@@ -157,7 +157,7 @@ fn environment(c: &Container, cm: &ConfigMap) -> BTreeMap<String, String> {
 fn daemonset_runs_privileged_enough_and_no_more() {
     let ds = daemonset();
     assert_eq!(ds.metadata.namespace.as_deref(), Some(NAMESPACE));
-    let spec = ds.spec.as_ref().unwrap().template.spec.clone().unwrap();
+    let spec = ds.spec.template.spec.clone().unwrap();
     assert_eq!(spec.host_network, Some(true));
     assert_eq!(spec.dns_policy.as_deref(), Some("ClusterFirstWithHostNet"));
     assert_eq!(
@@ -189,7 +189,7 @@ fn daemonset_runs_privileged_enough_and_no_more() {
 #[test]
 fn bpffs_is_mounted() {
     let ds = daemonset();
-    let spec = ds.spec.as_ref().unwrap().template.spec.clone().unwrap();
+    let spec = ds.spec.template.spec.clone().unwrap();
     let vol = spec
         .volumes
         .unwrap()
@@ -284,7 +284,7 @@ fn etcd_tls_files_are_the_mounted_secret() {
     let cm: ConfigMap = load("configmap.yaml");
     let c = container(&ds);
     let config = config_from_env(&environment(&c, &cm));
-    let spec = ds.spec.as_ref().unwrap().template.spec.clone().unwrap();
+    let spec = ds.spec.template.spec.clone().unwrap();
     let vol = spec
         .volumes
         .unwrap()
@@ -354,13 +354,7 @@ fn rbac_is_exactly_the_watch_list() {
     assert_eq!(Some(subjects[0].name.clone()), sa.metadata.name);
     assert_eq!(subjects[0].namespace, sa.metadata.namespace);
     assert_eq!(
-        daemonset()
-            .spec
-            .unwrap()
-            .template
-            .spec
-            .unwrap()
-            .service_account_name,
+        daemonset().spec.template.spec.unwrap().service_account_name,
         sa.metadata.name
     );
 }
