@@ -57,6 +57,18 @@ fn locate(seed: u64, at: u64, probe: &[u8]) -> Option<i64> {
         .map(|p| (lo + p as u64) as i64 - at as i64)
 }
 
+/// Says where the first wrong byte is and where the bytes found there belong.
+fn describe(what: &str, seed: u64, bad: u64, (off, n): (u64, usize), wrong: &[u8]) -> String {
+    let probe = &wrong[..wrong.len().min(64)];
+    let from = (probe.len() >= 16)
+        .then(|| locate(seed, bad, probe))
+        .flatten();
+    format!(
+        "{what} {seed}: first wrong byte at offset {bad} (read chunk {off}+{n}); \
+         the bytes there belong at offset {from:?} relative to it"
+    )
+}
+
 /// Reads to EOF, checking every byte; pauses now and then so the budget trips.
 async fn check(
     mut r: impl tokio::io::AsyncRead + Unpin,
@@ -83,17 +95,7 @@ async fn check(
                 }
                 got.extend_from_slice(&buf[..m]);
             }
-            let probe = &got[..got.len().min(64)];
-            let from = if probe.len() >= 16 {
-                locate(seed, bad, probe)
-            } else {
-                None
-            };
-            return Err(format!(
-                "stream {seed}: first wrong byte at offset {bad} (read chunk {off}+{n}); \
-                 the bytes there belong at offset {:?} relative to it",
-                from
-            ));
+            return Err(describe("stream", seed, bad, (off, n), &got));
         }
         off += n as u64;
         if rng.random_ratio(1, 200) {
@@ -199,13 +201,8 @@ async fn echo_back(
             break;
         }
         if let Some(bad) = common::pattern_mismatch(seed, off, &buf[..n]) {
-            let probe = &buf[(bad - off) as usize..n];
-            let from =
-                (probe.len() >= 16).then(|| locate(seed, bad, &probe[..probe.len().min(64)]));
-            return Err(format!(
-                "echo of stream {seed}: first wrong byte at offset {bad} (read chunk {off}+{n}); \
-                 the bytes there belong at offset {from:?} relative to it"
-            ));
+            let wrong = &buf[(bad - off) as usize..n];
+            return Err(describe("echo of stream", seed, bad, (off, n), wrong));
         }
         off += n as u64;
         w.write_all(&buf[..n]).await.unwrap();
