@@ -320,12 +320,17 @@ async fn pod_lifecycle_add_ready_unready_delete() {
     assert!(!ratings.exported, "no waypoint.dev/export annotation");
 
     // Added, pending, no IP yet: nothing to register.
+    let computed = metrics.recomputes();
     api.push("pods", "pod-added-pending.ndjson").await;
     eventually("the pending pod's event", WAIT, || {
         metrics.events(Watched::Pod, "apply") >= 1
     })
     .await;
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The desired set was computed again with the pending pod in the state.
+    eventually("a recompute after the pending pod", WAIT, || {
+        metrics.recomputes() > computed
+    })
+    .await;
     assert_eq!(pods(rx.borrow().as_ref().unwrap()), vec![(RATINGS, true)]);
 
     // Running with an IP and ready in the slice: registered, ready, exported, the named

@@ -60,6 +60,7 @@ pub struct Metrics {
     relists: Family<ResourceLabel, Counter>,
     desired: Gauge,
     node_ip_known: Gauge,
+    recomputes: Counter,
 }
 
 impl Metrics {
@@ -86,6 +87,11 @@ impl Metrics {
             "endpoints_desired",
             "Endpoints of this node's pods the registration should hold, as last computed",
             m.desired.clone(),
+        );
+        r.register(
+            "recomputes",
+            "Times this node's desired endpoints were computed from the watched state",
+            m.recomputes.clone(),
         );
         r.register(
             "node_ip_known",
@@ -129,6 +135,7 @@ impl Metrics {
         self.desired
             .set(i64::try_from(endpoints).unwrap_or(i64::MAX));
         self.node_ip_known.set(i64::from(node_ip_known));
+        self.recomputes.inc();
     }
 
     /// Watch events so far for `resource` and `event` (`apply`, `delete`, `list`).
@@ -157,6 +164,11 @@ impl Metrics {
                 resource: resource.as_str(),
             })
             .get()
+    }
+
+    /// Times the desired endpoints were computed.
+    pub fn recomputes(&self) -> u64 {
+        self.recomputes.get()
     }
 
     /// The last computed number of desired endpoints.
