@@ -41,7 +41,7 @@ use waypoint_common::{
 };
 
 use super::{
-    classify_read_error, classify_write_error, copy::write_all, drive, shutdown_write, DirEnd,
+    classify_read_error, classify_write_error, copy::write_all, drive, shutdown_write, DirEnd, End,
     Limits, Outcome,
 };
 
@@ -60,6 +60,12 @@ const IDLE_REFRESHES: u32 = 8;
 
 /// `TCP_CLOSE` from include/net/tcp_states.h: the state of a reset or aborted socket.
 const TCP_CLOSE: u8 = 7;
+/// The states (include/net/tcp_states.h) of a socket whose FIN is queued or sent.
+const TCP_FIN_WAIT1: u8 = 4;
+const TCP_FIN_WAIT2: u8 = 5;
+const TCP_TIME_WAIT: u8 = 6;
+const TCP_LAST_ACK: u8 = 9;
+const TCP_CLOSING: u8 = 11;
 
 /// `SO_COOKIE` from linux/socket.h (not exported by the libc crate).
 const SO_COOKIE: libc::c_int = 57;
@@ -318,9 +324,20 @@ impl Ebpf {
         .await;
         // Stop the verdict first so the counters are final when read.
         reg.detach();
+        let graceful = matches!(end, End::IdleTimeout | End::LifetimeExceeded);
         let outcome = Outcome {
-            downstream_to_upstream: redirected(down) + d2u_user.load(Relaxed),
-            upstream_to_downstream: redirected(up) + u2d_user.load(Relaxed),
+            downstream_to_upstream: delivered(
+                &upstream,
+                up_base,
+                redirected(down) + d2u_user.load(Relaxed),
+                graceful,
+            ),
+            upstream_to_downstream: delivered(
+                &downstream,
+                down_base,
+                redirected(up) + u2d_user.load(Relaxed),
+                graceful,
+            ),
             end,
         };
         drop(reg);
@@ -630,6 +647,8 @@ impl Direction<'_> {
 struct Handed {
     /// Bytes acknowledged by the peer plus bytes queued (sent or not).
     bytes: u64,
+    /// The first term of `bytes`.
+    acked: u64,
     /// The socket is closed (reset or aborted).
     closed: bool,
     state: u8,
@@ -648,9 +667,52 @@ fn handed(sock: &TcpStream) -> io::Result<Handed> {
     }
     Ok(Handed {
         bytes: info.tcpi_bytes_acked + u64::try_from(outq).unwrap_or(0),
+        acked: info.tcpi_bytes_acked,
         closed: info.tcpi_state == TCP_CLOSE,
         state: info.tcpi_state,
     })
+}
+
+/// The bytes of one direction that reached `dst`'s TCP: `counted` (what the verdict
+/// redirected plus what userspace wrote), less what never left the kernel's backlog.
+///
+/// A clean end waits for the backlog to drain, but a forced one (idle, lifetime, a reset)
+/// does not: redirected bytes still parked in dst's psock are discarded when the socket
+/// leaves the SockHash, and counting them would report bytes nobody received. For a
+/// `graceful` end (both sides get a FIN) dst's write side is shut first: that fences the
+/// backlog worker, whose send in progress completes under the socket lock and whose later
+/// sends fail, so the figure read next is final. Call only after the verdict is detached.
+fn delivered(dst: &TcpStream, base: u64, counted: u64, graceful: bool) -> u64 {
+    if graceful {
+        // ENOTCONN after a reset: nothing left to fence.
+        let _ = shutdown_write(dst);
+    }
+    match handed_settled(dst) {
+        // Once our FIN is queued it counts one sequence number in `handed`.
+        Ok(h) => {
+            let fin = u64::from(matches!(
+                h.state,
+                TCP_FIN_WAIT1 | TCP_FIN_WAIT2 | TCP_TIME_WAIT | TCP_LAST_ACK | TCP_CLOSING
+            ));
+            counted.min(h.bytes.saturating_sub(base).saturating_sub(fin))
+        }
+        // Unknown: the verdict's count is the best figure left.
+        Err(_) => counted,
+    }
+}
+
+/// [`handed`], read until no ack moved bytes between its two syscalls, so that the
+/// figure is exact rather than a lower bound (a few tries; acks stop once dst is idle).
+fn handed_settled(dst: &TcpStream) -> io::Result<Handed> {
+    let mut h = handed(dst)?;
+    for _ in 0..8 {
+        let acked = tcp_info(dst)?.tcpi_bytes_acked;
+        if acked == h.acked {
+            break;
+        }
+        h = handed(dst)?;
+    }
+    Ok(h)
 }
 
 /// Most bytes read from one socket before it enters the SockHash. A client streaming
