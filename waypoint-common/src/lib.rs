@@ -21,6 +21,16 @@ pub const STATS_MAP: &str = "STATS";
 /// Name of the SK_SKB stream verdict program.
 pub const VERDICT_PROG: &str = "waypoint_verdict";
 
+/// Name of the program's global holding the offset of `TCP_SKB_CB(skb)->seq` (the
+/// segment's first sequence number) in `struct sk_buff`, read from the running kernel's
+/// BTF at load. 0 turns the overlap check off.
+pub const SKB_SEQ_OFFSET: &str = "SKB_SEQ_OFFSET";
+/// Name of the global holding the offset of `sk` in `struct sk_buff` (0: unknown).
+pub const SKB_SK_OFFSET: &str = "SKB_SK_OFFSET";
+/// Name of the global holding the offset of `copied_seq` in `struct tcp_sock` (0:
+/// unknown; the check then starts from the first segment the verdict sees).
+pub const TCP_COPIED_SEQ_OFFSET: &str = "TCP_COPIED_SEQ_OFFSET";
+
 /// Default capacity of the per-socket maps (two sockets per spliced connection). The
 /// daemon resizes them at load time from its connection limit.
 pub const DEFAULT_MAX_SOCKETS: u32 = 262_144;
@@ -38,6 +48,13 @@ pub struct FlowCounters {
     pub redirected: u64,
     /// Bytes left in this socket's receive queue for userspace.
     pub passed: u64,
+    /// Bytes cut from the head of segments because they had been delivered already
+    /// (counted in neither of the above).
+    pub trimmed: u64,
+    /// The sequence number after the last byte seen, valid when `seq_known` is 1.
+    pub next_seq: u32,
+    /// 1 once `next_seq` is set.
+    pub seq_known: u32,
 }
 
 /// The limits userspace sets for one socket, written only by userspace.
@@ -76,10 +93,17 @@ pub enum Stat {
     PassedNoPeer = 4,
     /// Zero-length segments (a bare FIN) dropped: they carry no byte.
     DroppedEmpty = 5,
+    /// Segments whose head repeated bytes already delivered; the repeat was cut off.
+    Trimmed = 6,
+    /// Segments made only of bytes already delivered, dropped.
+    DroppedDuplicate = 7,
+    /// Segments with a repeated head that could not be cut (no memory to pull the
+    /// head, or longer than the program trims): forwarded as they are.
+    TrimFailed = 8,
 }
 
 /// Number of entries in the statistics array.
-pub const STAT_COUNT: u32 = 6;
+pub const STAT_COUNT: u32 = 9;
 
 impl Stat {
     /// Every statistic, in index order.
@@ -90,6 +114,9 @@ impl Stat {
         Stat::PassedUnknown,
         Stat::PassedNoPeer,
         Stat::DroppedEmpty,
+        Stat::Trimmed,
+        Stat::DroppedDuplicate,
+        Stat::TrimFailed,
     ];
 
     /// A short label for metrics.
@@ -101,14 +128,17 @@ impl Stat {
             Stat::PassedUnknown => "passed_unknown",
             Stat::PassedNoPeer => "passed_no_peer",
             Stat::DroppedEmpty => "dropped_empty",
+            Stat::Trimmed => "trimmed",
+            Stat::DroppedDuplicate => "dropped_duplicate",
+            Stat::TrimFailed => "trim_failed",
         }
     }
 }
 
 #[cfg(feature = "user")]
 mod pod {
-    // SAFETY: both are #[repr(C)], made only of u64 fields (no padding), and valid for any
-    // bit pattern.
+    // SAFETY: both are #[repr(C)], made only of integer fields laid out without padding,
+    // and valid for any bit pattern.
     #[allow(unsafe_code, reason = "aya::Pod is an unsafe marker trait")]
     unsafe impl aya::Pod for super::FlowCounters {}
     // SAFETY: as above.

@@ -8,6 +8,12 @@
 //! the bytes stay readable on the source socket for the daemon to forward itself. See
 //! `waypoint_common::FlowBudget` for the two conditions under which it redirects, and
 //! docs/ARCHITECTURE.md for why (ordering, and a bounded in-flight backlog).
+//!
+//! It also cuts off bytes a segment repeats. TCP queues a segment that starts below
+//! `rcv_nxt` whole (after a retransmission overtook the original), and an ordinary reader
+//! skips the repeat by reading from `copied_seq`; the verdict path is handed the whole
+//! segment and would forward the repeat a second time. So the program tracks, per socket,
+//! the sequence number after the last byte it saw, and trims what lies below it.
 #![no_std]
 #![no_main]
 
@@ -16,7 +22,7 @@ use aya_ebpf::{
         sk_action::{SK_DROP, SK_PASS},
         BPF_F_NO_PREALLOC,
     },
-    helpers::bpf_get_socket_cookie,
+    helpers::{bpf_get_socket_cookie, bpf_probe_read_kernel},
     macros::{map, stream_verdict},
     maps::{HashMap, PerCpuArray, SockHash},
     programs::SkBuffContext,
@@ -43,6 +49,23 @@ static BUDGETS: HashMap<u64, FlowBudget> =
 
 #[map]
 static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(STAT_COUNT, 0);
+
+// Kernel structure offsets, set by the loader from the running kernel's BTF (see
+// `waypoint_common::SKB_SEQ_OFFSET`). They live in .rodata, which is frozen before the
+// program is verified, so the verifier knows them as constants: with 0, the overlap
+// check is dead code and never needs bpf_probe_read_kernel (CAP_PERFMON).
+#[unsafe(no_mangle)]
+static SKB_SEQ_OFFSET: u32 = 0;
+#[unsafe(no_mangle)]
+static SKB_SK_OFFSET: u32 = 0;
+#[unsafe(no_mangle)]
+static TCP_COPIED_SEQ_OFFSET: u32 = 0;
+
+/// `bpf_skb_adjust_room` removes at most 0xfff bytes per call.
+const TRIM_STEP: u32 = 0xfff;
+/// Calls per segment: a repeat longer than 64 × 4095 bytes (more than any GRO segment
+/// of a standard MTU) is left in place and counted as [`Stat::TrimFailed`].
+const TRIM_STEPS: u32 = 64;
 
 #[stream_verdict]
 pub fn waypoint_verdict(ctx: SkBuffContext) -> u32 {
@@ -81,6 +104,19 @@ fn verdict(ctx: &SkBuffContext) -> u32 {
     // that socket's lock, so nothing else writes this value concurrently; userspace only
     // reads it.
     let counters = unsafe { &mut *counters };
+    // SAFETY: a read of a plain global; volatile so the loader's value is used.
+    let seq_offset = unsafe { core::ptr::read_volatile(&SKB_SEQ_OFFSET) };
+    let len = if seq_offset == 0 {
+        len
+    } else {
+        match trim_repeat(ctx, counters, seq_offset, len as u32) {
+            Trim::Kept(kept) => u64::from(kept),
+            Trim::Whole => {
+                count(Stat::DroppedDuplicate);
+                return SK_DROP;
+            }
+        }
+    };
     // SAFETY: a successful lookup; the value is copied out before use.
     let Some(budget) = (unsafe { BUDGETS.get(cookie) }).copied() else {
         counters.passed += len;
@@ -112,6 +148,94 @@ fn verdict(ctx: &SkBuffContext) -> u32 {
         count(Stat::PassedNoPeer);
         SK_PASS
     }
+}
+
+enum Trim {
+    /// The segment goes on with this many bytes.
+    Kept(u32),
+    /// Every byte was a repeat, and all were cut: drop the empty segment.
+    Whole,
+}
+
+/// Cuts the bytes of this segment that lie below the socket's `next_seq` (already seen)
+/// and advances `next_seq` past it.
+#[inline(always)]
+fn trim_repeat(
+    ctx: &SkBuffContext,
+    counters: &mut FlowCounters,
+    seq_offset: u32,
+    len: u32,
+) -> Trim {
+    let skb = ctx.skb.skb.cast::<u8>().cast_const();
+    // SAFETY: the context is the kernel's `struct sk_buff`, and `seq_offset` is where the
+    // running kernel's BTF puts `TCP_SKB_CB(skb)->seq` in it; the helper faults safely.
+    let Ok(seq) = (unsafe { bpf_probe_read_kernel(skb.add(seq_offset as usize).cast::<u32>()) })
+    else {
+        return Trim::Kept(len);
+    };
+    if counters.seq_known == 0 {
+        // The first segment: the socket's reader (userspace so far) has consumed up to
+        // copied_seq, so anything below it is a repeat too.
+        counters.next_seq = copied_seq(skb).unwrap_or(seq);
+        counters.seq_known = 1;
+    }
+    // Sequence numbers wrap: the signed distance says which side of next_seq we are on.
+    let repeat = counters.next_seq.wrapping_sub(seq) as i32;
+    if repeat <= 0 {
+        counters.next_seq = seq.wrapping_add(len);
+        return Trim::Kept(len);
+    }
+    let repeat = repeat as u32;
+    let cut = repeat.min(len);
+    let mut left = cut;
+    for _ in 0..TRIM_STEPS {
+        if left == 0 {
+            break;
+        }
+        let step = left.min(TRIM_STEP);
+        if ctx.adjust_room(-(step as i32), 0, 0).is_err() {
+            break;
+        }
+        left -= step;
+    }
+    let removed = cut - left;
+    counters.trimmed += u64::from(removed);
+    if left != 0 {
+        // The rest of the repeat goes on: duplicated bytes, counted, rather than a
+        // dropped segment whose new bytes would be lost.
+        count(Stat::TrimFailed);
+    } else if repeat >= len {
+        return Trim::Whole;
+    } else {
+        count(Stat::Trimmed);
+    }
+    if repeat < len {
+        counters.next_seq = seq.wrapping_add(len);
+    }
+    Trim::Kept(len - removed)
+}
+
+/// The socket's `copied_seq`, when the loader found its offset.
+#[inline(always)]
+fn copied_seq(skb: *const u8) -> Option<u32> {
+    // SAFETY: plain globals; volatile so the loader's values are used.
+    let (sk_offset, copied_offset) = unsafe {
+        (
+            core::ptr::read_volatile(&SKB_SK_OFFSET),
+            core::ptr::read_volatile(&TCP_COPIED_SEQ_OFFSET),
+        )
+    };
+    if sk_offset == 0 || copied_offset == 0 {
+        return None;
+    }
+    // SAFETY: offsets from the running kernel's BTF into `struct sk_buff` and `struct
+    // tcp_sock` (the socket of a stream verdict is TCP); the helper faults safely.
+    let sk = unsafe { bpf_probe_read_kernel(skb.add(sk_offset as usize).cast::<u64>()) }.ok()?;
+    if sk == 0 {
+        return None;
+    }
+    // SAFETY: as above.
+    unsafe { bpf_probe_read_kernel((sk as usize + copied_offset as usize) as *const u32) }.ok()
 }
 
 #[cfg(not(test))]

@@ -186,7 +186,8 @@ pub struct Config {
     pub drain_timeout: Duration,
 
     /// Which dataplane moves the bytes of routed connections: `ebpf` (in-kernel
-    /// SockHash redirect; needs CAP_BPF and CAP_NET_ADMIN), `splice` (splice(2) through
+    /// SockHash redirect; needs CAP_BPF and CAP_NET_ADMIN, and CAP_PERFMON for its check
+    /// of repeated bytes), `splice` (splice(2) through
     /// pipes), `copy` (userspace copy), or `auto` (ebpf if it loads, else splice).
     #[arg(long, env = "WAYPOINT_DATAPLANE", value_enum, default_value = "auto")]
     pub dataplane: dataplane::Kind,

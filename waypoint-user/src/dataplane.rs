@@ -11,6 +11,7 @@
 //! passed on as a half-close to the other only after every byte before it; a reset from
 //! one side aborts the other; an idle or over-age connection is closed.
 
+mod btf;
 pub mod copy;
 pub mod ebpf;
 pub mod splice;
@@ -27,7 +28,7 @@ use tokio::net::TcpStream;
 /// Which implementation moves the bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Kind {
-    /// In the kernel: SockHash + SK_SKB stream verdict redirect (needs CAP_BPF, CAP_NET_ADMIN).
+    /// In the kernel: SockHash + SK_SKB stream verdict redirect (needs CAP_BPF, CAP_NET_ADMIN; CAP_PERFMON for the repeat check).
     Ebpf,
     /// splice(2) through pipes: zero-copy in the kernel, driven from userspace.
     Splice,

@@ -180,7 +180,11 @@ fn daemonset_runs_privileged_enough_and_no_more() {
     let added: BTreeSet<String> = caps.add.unwrap().into_iter().collect();
     assert_eq!(
         added,
-        BTreeSet::from(["BPF".to_owned(), "NET_ADMIN".to_owned()])
+        BTreeSet::from([
+            "BPF".to_owned(),
+            "NET_ADMIN".to_owned(),
+            "PERFMON".to_owned()
+        ])
     );
     // No host ports: the surge pod of a rolling update must be schedulable.
     assert!(c.ports.is_none());

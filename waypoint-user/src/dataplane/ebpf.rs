@@ -35,14 +35,15 @@ use aya::{
     Ebpf as Loaded, EbpfLoader,
 };
 use tokio::net::TcpStream;
-use tracing::{debug, info, trace};
+use tracing::{debug, info, trace, warn};
 use waypoint_common::{
-    FlowBudget, FlowCounters, Stat, BUDGETS_MAP, COUNTERS_MAP, PEERS_MAP, STATS_MAP, VERDICT_PROG,
+    FlowBudget, FlowCounters, Stat, BUDGETS_MAP, COUNTERS_MAP, PEERS_MAP, SKB_SEQ_OFFSET,
+    SKB_SK_OFFSET, STATS_MAP, TCP_COPIED_SEQ_OFFSET, VERDICT_PROG,
 };
 
 use super::{
-    classify_read_error, classify_write_error, copy::write_all, drive, shutdown_write, DirEnd, End,
-    Limits, Outcome,
+    btf, classify_read_error, classify_write_error, copy::write_all, drive, shutdown_write, DirEnd,
+    End, Limits, Outcome,
 };
 
 /// The eBPF object built by waypoint-user's build script from waypoint-ebpf.
@@ -118,6 +119,29 @@ pub enum Error {
     Io(#[from] io::Error),
 }
 
+/// Offsets of the kernel fields the verdict reads, for the running kernel (0: off).
+#[derive(Clone, Copy, Debug, Default)]
+struct KernelOffsets {
+    /// `TCP_SKB_CB(skb)->seq` in `struct sk_buff`.
+    skb_seq: u32,
+    /// `sk` in `struct sk_buff`.
+    skb_sk: u32,
+    /// `copied_seq` in `struct tcp_sock`.
+    tcp_copied_seq: u32,
+}
+
+impl KernelOffsets {
+    fn from_btf() -> Result<KernelOffsets, btf::Error> {
+        let btf = btf::Btf::vmlinux()?;
+        Ok(KernelOffsets {
+            skb_seq: btf.member_offset("sk_buff", "cb")?
+                + btf.member_offset("tcp_skb_cb", "seq")?,
+            skb_sk: btf.member_offset("sk_buff", "sk")?,
+            tcp_copied_seq: btf.member_offset("tcp_sock", "copied_seq")?,
+        })
+    }
+}
+
 /// Live entry counts of the per-socket maps, for tests and diagnostics.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct MapCounts {
@@ -132,6 +156,7 @@ pub struct MapCounts {
 /// The loaded and attached eBPF dataplane. Dropping it detaches the program.
 pub struct Ebpf {
     config: Config,
+    repeat_check: bool,
     peers: Mutex<SockHash<MapData, u64>>,
     counters: Mutex<HashMap<MapData, u64, FlowCounters>>,
     budgets: Mutex<HashMap<MapData, u64, FlowBudget>>,
@@ -165,12 +190,42 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl Ebpf {
     /// Loads the verdict program and its maps and attaches the program to the SockHash.
+    ///
+    /// The repeat check (see waypoint-ebpf) needs kernel offsets from BTF and
+    /// bpf_probe_read_kernel (CAP_PERFMON). Without either, the program is loaded with
+    /// the check off, and a warning says so: segments that repeat delivered bytes are
+    /// then forwarded whole.
     pub fn load(config: Config) -> Result<Ebpf, Error> {
         raise_memlock_limit();
+        let offsets = match KernelOffsets::from_btf() {
+            Ok(o) => Some(o),
+            Err(e) => {
+                warn!(error = %e, "kernel offsets unknown: the eBPF repeat check is off");
+                None
+            }
+        };
+        match (offsets, Ebpf::load_with(config, offsets)) {
+            (Some(_), Err(e)) => {
+                warn!(
+                    error = %e,
+                    "the verdict with the repeat check was refused (it needs CAP_PERFMON): loading it \
+                     without; segments that repeat delivered bytes will be forwarded whole"
+                );
+                Ebpf::load_with(config, None)
+            }
+            (_, r) => r,
+        }
+    }
+
+    fn load_with(config: Config, offsets: Option<KernelOffsets>) -> Result<Ebpf, Error> {
+        let o = offsets.unwrap_or_default();
         let mut loaded = EbpfLoader::new()
             .map_max_entries(PEERS_MAP, config.max_sockets)
             .map_max_entries(COUNTERS_MAP, config.max_sockets)
             .map_max_entries(BUDGETS_MAP, config.max_sockets)
+            .override_global(SKB_SEQ_OFFSET, &o.skb_seq, true)
+            .override_global(SKB_SK_OFFSET, &o.skb_sk, true)
+            .override_global(TCP_COPIED_SEQ_OFFSET, &o.tcp_copied_seq, true)
             .load(OBJECT)?;
         let take = |loaded: &mut Loaded, name: &'static str| {
             loaded
@@ -199,10 +254,12 @@ impl Ebpf {
             max_inflight = config.max_inflight,
             socket_buffer = ?config.socket_buffer,
             max_sockets = config.max_sockets,
+            repeat_check = offsets.is_some(),
             "eBPF dataplane attached"
         );
         Ok(Ebpf {
             config,
+            repeat_check: offsets.is_some(),
             peers: Mutex::new(peers),
             counters: Mutex::new(counters),
             budgets: Mutex::new(budgets),
@@ -215,6 +272,11 @@ impl Ebpf {
     /// The settings in force.
     pub fn config(&self) -> &Config {
         &self.config
+    }
+
+    /// Whether the verdict cuts bytes that segments repeat (see [`Ebpf::load`]).
+    pub fn repeat_check(&self) -> bool {
+        self.repeat_check
     }
 
     /// Counts the entries of the per-socket maps (walks them: diagnostics only).

@@ -24,6 +24,10 @@ pub fn ebpf() -> Arc<Dataplane> {
         require_root();
         let dp = ebpf::Ebpf::load(ebpf::Config::default())
             .expect("eBPF dataplane must load: tests run as root on a sockmap kernel");
+        assert!(
+            dp.repeat_check(),
+            "the verdict's repeat check must be on: tests run on a kernel with BTF"
+        );
         Arc::new(Dataplane::Ebpf(Box::new(dp)))
     })
     .clone()
