@@ -198,8 +198,9 @@ fn raw_client(server: SocketAddrV4, go: mpsc::Receiver<()>) {
             ACK | PSH,
             &data[start..end],
         );
-        // Paces the segments so each is queued (and verdicted) before the next arrives.
-        std::thread::sleep(Duration::from_millis(20));
+        // The next segment goes only once this one is acknowledged (queued, and
+        // verdicted): the repeat is then of bytes already received, not a race.
+        raw.recv_ack(server, base.wrapping_add(end as u32));
     }
     raw.send(server, base.wrapping_add(TOTAL as u32), ack, ACK | FIN, &[]);
 }
@@ -267,6 +268,26 @@ impl RawTcp {
 
     /// The server's initial sequence number, from its SYN-ACK.
     fn recv_syn_ack(&self, from: SocketAddrV4) -> u32 {
+        self.recv_until(from, "a SYN-ACK", |flags, seq, _| {
+            (flags & (SYN | ACK) == SYN | ACK).then_some(seq)
+        })
+    }
+
+    /// Waits for an acknowledgement of every byte before `seq`.
+    fn recv_ack(&self, from: SocketAddrV4, seq: u32) {
+        self.recv_until(from, "an ACK", |flags, _, ack| {
+            // Signed distance: sequence numbers wrap.
+            (flags & ACK != 0 && ack.wrapping_sub(seq) as i32 >= 0).then_some(())
+        })
+    }
+
+    /// Reads segments from `from` to the client until `want(flags, seq, ack)` says yes.
+    fn recv_until<T>(
+        &self,
+        from: SocketAddrV4,
+        what: &str,
+        want: impl Fn(u8, u32, u32) -> Option<T>,
+    ) -> T {
         let deadline = std::time::Instant::now() + BOUND;
         let mut buf = [0u8; 2048];
         while std::time::Instant::now() < deadline {
@@ -281,11 +302,16 @@ impl RawTcp {
             let t = &p[ihl..];
             let sport = u16::from_be_bytes([t[0], t[1]]);
             let dport = u16::from_be_bytes([t[2], t[3]]);
-            if sport == from.port() && dport == CLIENT.port() && t[13] & (SYN | ACK) == SYN | ACK {
-                return u32::from_be_bytes([t[4], t[5], t[6], t[7]]);
+            if sport != from.port() || dport != CLIENT.port() {
+                continue;
+            }
+            let seq = u32::from_be_bytes([t[4], t[5], t[6], t[7]]);
+            let ack = u32::from_be_bytes([t[8], t[9], t[10], t[11]]);
+            if let Some(v) = want(t[13], seq, ack) {
+                return v;
             }
         }
-        panic!("no SYN-ACK from {from} within {BOUND:?}");
+        panic!("no {what} from {from} within {BOUND:?}");
     }
 }
 
