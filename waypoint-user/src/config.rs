@@ -203,6 +203,15 @@ pub struct Config {
     #[arg(long, env = "WAYPOINT_SOCKET_BUFFER", value_parser = parse_bytes)]
     pub socket_buffer: Option<u64>,
 
+    /// eBPF dataplane: cap on the send buffer forced on a destination socket
+    /// (SO_SNDBUFFORCE) when its direction fills the in-flight budget while the
+    /// destination drains fast. The kernel's redirect worker waits a whole timer tick
+    /// (4 ms at HZ=250) whenever the destination's send buffer is half full, so the buffer
+    /// is sized to 8 ticks of the measured drain, up to this cap. Slow readers and
+    /// request/response connections keep autotuned buffers. 0 never forces a buffer.
+    #[arg(long, env = "WAYPOINT_BULK_SEND_BUFFER", value_parser = parse_bytes, default_value = "16MiB")]
+    pub bulk_send_buffer: u64,
+
     /// eBPF dataplane: capacity of the per-socket maps (two entries per connection).
     #[arg(long, env = "WAYPOINT_MAX_SOCKETS", default_value_t = waypoint_common::DEFAULT_MAX_SOCKETS)]
     pub max_sockets: u32,
@@ -288,6 +297,7 @@ impl Config {
             socket_buffer: self
                 .socket_buffer
                 .map(|b| usize::try_from(b).unwrap_or(usize::MAX)),
+            bulk_send_buffer: usize::try_from(self.bulk_send_buffer).unwrap_or(usize::MAX),
             max_sockets: self.max_sockets,
         }
     }

@@ -47,6 +47,24 @@ async fn recv_all(mut r: impl tokio::io::AsyncRead + Unpin) -> (u64, [u8; 32]) {
     }
 }
 
+/// The server's one-byte answer to the hello.
+const ANSWER: u8 = 0xa5;
+
+/// For the eBPF dataplane: its copy fallbacks so far, and segments redirected so far.
+fn ebpf_counts(kind: Kind) -> Option<(u64, u64)> {
+    let dp = common::dataplane(kind);
+    let waypoint::dataplane::Dataplane::Ebpf(e) = &*dp else {
+        return None;
+    };
+    let redirected = e
+        .stats()
+        .into_iter()
+        .find(|(s, _)| *s == waypoint_common::Stat::Redirected)
+        .map(|(_, n)| n)
+        .unwrap();
+    Some((e.fallbacks(), redirected))
+}
+
 async fn bulk_both_ways(kind: Kind) {
     let server = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let mut proxy = common::proxy(
@@ -61,12 +79,19 @@ async fn bulk_both_ways(kind: Kind) {
         let mut c = TcpStream::connect(proxy.addr).await.unwrap();
         let hello: Vec<u8> = (0..HELLO).map(|i| i as u8).collect();
         c.write_all(&hello).await.unwrap();
+        // Stream only once the server answered, as a TLS client does after its hello. A
+        // client streaming right behind the hello can fill more than the eBPF dataplane
+        // drains before insertion, and that connection is copied in userspace instead.
+        let mut answer = [0u8; 1];
+        c.read_exact(&mut answer).await.unwrap();
+        assert_eq!(answer, [ANSWER]);
         let (r, w) = c.into_split();
         let (sent, got) = tokio::join!(send_random(w, TOTAL, 1), recv_all(r));
         (sent, got, proxy.outcomes.recv().await.unwrap())
     });
+    let before = ebpf_counts(kind);
     let (s, _) = server.accept().await.unwrap();
-    let (r, w) = s.into_split();
+    let (r, mut w) = s.into_split();
     let mut r = r;
     let mut hello = vec![0u8; HELLO];
     r.read_exact(&mut hello).await.unwrap();
@@ -74,12 +99,25 @@ async fn bulk_both_ways(kind: Kind) {
         hello.iter().enumerate().all(|(i, b)| *b == i as u8),
         "initial bytes arrive first and intact"
     );
+    w.write_all(&[ANSWER]).await.unwrap();
     let (sent_back, got) = tokio::join!(send_random(w, TOTAL, 2), recv_all(r));
     let (client_sent, client_got, outcome) = client.await.unwrap();
 
     if let waypoint::dataplane::Dataplane::Ebpf(e) = &*common::dataplane(kind) {
         // How much went through the kernel fast path vs userspace, for the log.
         eprintln!("{kind:?}: {outcome:?}; verdict stats {:?}", e.stats());
+    }
+    if let (Some((fallbacks, redirected)), Some((fallbacks0, redirected0))) =
+        (ebpf_counts(kind), before)
+    {
+        assert_eq!(
+            fallbacks, fallbacks0,
+            "the connection fell back to the copy"
+        );
+        assert!(
+            redirected > redirected0,
+            "the verdict redirected nothing: the kernel path was not tested"
+        );
     }
     assert_eq!(
         got,
@@ -93,7 +131,7 @@ async fn bulk_both_ways(kind: Kind) {
     );
     assert_eq!(outcome.end, End::Closed);
     assert_eq!(outcome.downstream_to_upstream, TOTAL + HELLO as u64);
-    assert_eq!(outcome.upstream_to_downstream, TOTAL);
+    assert_eq!(outcome.upstream_to_downstream, TOTAL + 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

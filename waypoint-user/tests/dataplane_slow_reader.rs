@@ -258,8 +258,13 @@ async fn slow_reader(kind: Kind, total: u64) {
         Dataplane::Copy(_) => 2 * 64 * 1024,
     };
     // Each of the four sockets (client, proxy downstream, proxy upstream, server) may
-    // hold up to the largest receive plus the largest send buffer.
-    let socket_buffers = 4 * (tcp_mem_max("tcp_rmem") + tcp_mem_max("tcp_wmem"));
+    // hold up to the largest receive plus the largest send buffer. The eBPF dataplane
+    // forces a bulk destination's send buffer (the kernel doubles the figure asked for).
+    let wmem = match &*dp {
+        Dataplane::Ebpf(e) => tcp_mem_max("tcp_wmem").max(2 * e.config().bulk_send_buffer as u64),
+        _ => tcp_mem_max("tcp_wmem"),
+    };
+    let socket_buffers = 4 * (tcp_mem_max("tcp_rmem") + wmem);
     let bound = in_flight + socket_buffers + SLACK;
 
     eprintln!(

@@ -26,7 +26,7 @@ use std::{
         atomic::{AtomicU64, Ordering::Relaxed},
         Mutex, MutexGuard,
     },
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use aya::{
@@ -41,6 +41,7 @@ use waypoint_common::{
     SKB_SK_OFFSET, STATS_MAP, TCP_COPIED_SEQ_OFFSET, VERDICT_PROG,
 };
 
+use super::send_buffer::DrainProbe;
 use super::{
     btf, classify_read_error, classify_write_error, copy::write_all, drive, shutdown_write, DirEnd,
     End, Limits, Outcome,
@@ -51,6 +52,12 @@ static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/wa
 
 /// Default bound on bytes in flight inside the kernel per direction of a connection.
 pub const DEFAULT_MAX_INFLIGHT: u64 = 4 * 1024 * 1024;
+
+/// Largest send buffer forced on a bulk direction's destination. The kernel's redirect
+/// worker sleeps one timer tick (4 ms at HZ=250) when the destination's send buffer is
+/// half full; half of 16 MiB is more than a tick of loopback bulk, so the destination
+/// does not run dry meanwhile. See docs/ARCHITECTURE.md.
+pub const DEFAULT_BULK_SEND_BUFFER: usize = 16 * 1024 * 1024;
 
 /// How often the credit is refreshed while a direction is moving bytes.
 const REFRESH_INTERVAL: Duration = Duration::from_millis(1);
@@ -80,6 +87,10 @@ pub struct Config {
     /// Forced send and receive buffer size for spliced sockets (SO_SNDBUFFORCE /
     /// SO_RCVBUFFORCE); None keeps the kernel's autotuning.
     pub socket_buffer: Option<usize>,
+    /// Cap on the send buffer forced on a destination (SO_SNDBUFFORCE) when its direction
+    /// trips the in-flight budget and the destination drains fast enough to need it; 0
+    /// leaves every buffer to autotuning. See [`DEFAULT_BULK_SEND_BUFFER`].
+    pub bulk_send_buffer: usize,
     /// Capacity of the per-socket maps: two entries per connection.
     pub max_sockets: u32,
 }
@@ -89,6 +100,7 @@ impl Default for Config {
         Config {
             max_inflight: DEFAULT_MAX_INFLIGHT,
             socket_buffer: None,
+            bulk_send_buffer: DEFAULT_BULK_SEND_BUFFER,
             max_sockets: waypoint_common::DEFAULT_MAX_SOCKETS,
         }
     }
@@ -253,6 +265,7 @@ impl Ebpf {
         info!(
             max_inflight = config.max_inflight,
             socket_buffer = ?config.socket_buffer,
+            bulk_send_buffer = config.bulk_send_buffer,
             max_sockets = config.max_sockets,
             repeat_check = offsets.is_some(),
             "eBPF dataplane attached"
@@ -362,6 +375,7 @@ impl Ebpf {
             dst_base: up_base,
             user_bytes: &d2u_user,
             name: "d2u",
+            drain: Mutex::new(DrainProbe::new(2 * self.config.bulk_send_buffer)),
         };
         let u2d = Direction {
             dp: self,
@@ -371,6 +385,7 @@ impl Ebpf {
             dst_base: down_base,
             user_bytes: &u2d_user,
             name: "u2d",
+            drain: Mutex::new(DrainProbe::new(2 * self.config.bulk_send_buffer)),
         };
         // Only read while the connection's entries exist; a failure reads as zero, which
         // only understates the byte counts reported.
@@ -522,6 +537,8 @@ struct Direction<'a> {
     user_bytes: &'a AtomicU64,
     /// "d2u" or "u2d", for traces.
     name: &'static str,
+    /// Sizes dst's send buffer after budget trips.
+    drain: Mutex<DrainProbe>,
 }
 
 impl Direction<'_> {
@@ -604,6 +621,7 @@ impl Direction<'_> {
                 "passed bytes read"
             );
             if !synced {
+                self.start_drain_probe();
                 self.wait_handed().await?;
                 synced = true;
             }
@@ -612,6 +630,8 @@ impl Direction<'_> {
                 .map_err(classify_write_error)?;
             self.user_bytes.fetch_add(n as u64, Relaxed);
             budget.consumed += n as u64;
+            // A steady stream can keep this loop busy for long: measure here too.
+            self.measure_drain();
         }
         budget.credit = self.credit()?;
         self.publish(*budget)?;
@@ -688,9 +708,59 @@ impl Direction<'_> {
         }
     }
 
+    /// After a budget trip: starts measuring how fast dst drains, unless a measurement
+    /// is running or the buffer is sized already (see `dataplane/send_buffer.rs`).
+    fn start_drain_probe(&self) {
+        let mut probe = lock(&self.drain);
+        if probe.idle() {
+            if let Ok(h) = handed(self.dst) {
+                probe.start(Instant::now(), h.acked);
+            }
+        }
+    }
+
+    /// Finishes a drain measurement if one is due, reading dst's progress.
+    fn measure_drain(&self) {
+        if lock(&self.drain).due(Instant::now()) {
+            if let Ok(h) = handed(self.dst) {
+                self.size_send_buffer(h.acked);
+            }
+        }
+    }
+
+    /// Finishes a due drain measurement, given dst's `bytes_acked` now, and raises dst's
+    /// send buffer if the measurement asks for it.
+    fn size_send_buffer(&self, acked: u64) {
+        let mut probe = lock(&self.drain);
+        let now = Instant::now();
+        if !probe.due(now) {
+            return;
+        }
+        let have = socket2::SockRef::from(self.dst)
+            .send_buffer_size()
+            .unwrap_or(usize::MAX);
+        let Some(want) = probe.finish(now, acked, have) else {
+            return;
+        };
+        // SO_SNDBUFFORCE takes half: the kernel doubles it.
+        match set_buffer(self.dst, libc::SO_SNDBUFFORCE, want / 2) {
+            Ok(()) => debug!(
+                dir = self.name,
+                from = have,
+                to = want,
+                "destination send buffer raised"
+            ),
+            Err(e) => {
+                probe.give_up();
+                debug!(dir = self.name, error = %e, "destination send buffer not raised");
+            }
+        }
+    }
+
     /// The credit that keeps at most `max_inflight` redirected bytes outside dst's TCP.
     fn credit(&self) -> Result<u64, DirEnd> {
         let h = handed(self.dst).map_err(DirEnd::Error)?;
+        self.size_send_buffer(h.acked);
         let redirected_in_tcp = h
             .bytes
             .saturating_sub(self.dst_base)
@@ -851,21 +921,26 @@ fn cookie(sock: &TcpStream) -> io::Result<u64> {
 }
 
 fn set_buffers(sock: &TcpStream, size: usize) -> io::Result<()> {
-    let size = libc::c_int::try_from(size).unwrap_or(libc::c_int::MAX);
     for opt in [libc::SO_SNDBUFFORCE, libc::SO_RCVBUFFORCE] {
-        // SAFETY: fd is an open socket owned by `sock`; the option value is one int.
-        let rc = unsafe {
-            libc::setsockopt(
-                sock.as_raw_fd(),
-                libc::SOL_SOCKET,
-                opt,
-                (&raw const size).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
-        if rc != 0 {
-            return Err(io::Error::last_os_error());
-        }
+        set_buffer(sock, opt, size)?;
+    }
+    Ok(())
+}
+
+fn set_buffer(sock: &TcpStream, opt: libc::c_int, size: usize) -> io::Result<()> {
+    let size = libc::c_int::try_from(size).unwrap_or(libc::c_int::MAX);
+    // SAFETY: fd is an open socket owned by `sock`; the option value is one int.
+    let rc = unsafe {
+        libc::setsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            opt,
+            (&raw const size).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
     }
     Ok(())
 }
