@@ -59,6 +59,12 @@ pub const DEFAULT_MAX_INFLIGHT: u64 = 4 * 1024 * 1024;
 /// does not run dry meanwhile. See docs/ARCHITECTURE.md.
 pub const DEFAULT_BULK_SEND_BUFFER: usize = 16 * 1024 * 1024;
 
+/// Read size for the bytes the verdict passes. Each read drains more of the queue than
+/// the 64 KiB used before, so userspace catches up with a bulk sender sooner and the flow
+/// returns to the kernel path: quick bench, 3 interleaved runs each, eBPF 1/8/64
+/// connections went from 13.9/17.7/16.0 to 17.9/18.9/18.5 Gbit/s (1 MiB: no better).
+const PASS_BUFFER: usize = 256 * 1024;
+
 /// How often the credit is refreshed while a direction is moving bytes.
 const REFRESH_INTERVAL: Duration = Duration::from_millis(1);
 
@@ -563,9 +569,9 @@ impl Direction<'_> {
         };
         self.publish(budget)?;
 
-        // Allocated when the verdict first passes something (or at EOF): most spliced
-        // connections never need it, and 64 KiB per direction up front was most of the
-        // daemon's memory per idle connection.
+        // Allocated when the verdict passes something (or at EOF), and freed again once
+        // the direction goes quiet: most spliced connections never need it, and a buffer
+        // per direction up front was most of the daemon's memory per idle connection.
         let mut buf = Vec::new();
         let mut quiet_refreshes = 0u32;
         loop {
@@ -575,7 +581,7 @@ impl Direction<'_> {
                 r = self.src.readable() => {
                     r.map_err(classify_read_error)?;
                     if buf.is_empty() {
-                        buf = vec![0u8; 64 * 1024];
+                        buf = vec![0u8; PASS_BUFFER];
                     }
                     if self.forward_passed(&mut buf, &mut budget).await? {
                         return self.finish(&mut buf, &mut budget).await;
@@ -591,6 +597,9 @@ impl Direction<'_> {
                         quiet_refreshes = 0;
                     } else {
                         quiet_refreshes += 1;
+                        if quiet_refreshes == IDLE_REFRESHES {
+                            buf = Vec::new();
+                        }
                     }
                 }
             }
