@@ -148,3 +148,105 @@ async fn bulk_256mib_each_way_splice() {
 async fn bulk_256mib_each_way_copy() {
     bulk_both_ways(Kind::Copy).await;
 }
+
+/// Bytes queued on the downstream socket (SIOCINQ).
+fn queued(sock: &TcpStream) -> usize {
+    use std::os::fd::AsRawFd as _;
+    let mut n: libc::c_int = 0;
+    // SAFETY: FIONREAD (= SIOCINQ) writes one int through the pointer.
+    let rc = unsafe { libc::ioctl(sock.as_raw_fd(), libc::FIONREAD, &mut n) };
+    assert_eq!(rc, 0, "SIOCINQ: {}", std::io::Error::last_os_error());
+    usize::try_from(n).unwrap()
+}
+
+/// A client that streams right behind its hello, so that more is queued than the eBPF
+/// dataplane drains before it inserts the sockets: that connection must be copied in
+/// userspace instead, every byte in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eager_sender_falls_back_intact_ebpf() {
+    const EAGER: u64 = 6 << 20;
+    const SEED: u64 = 77;
+    // Its own instance: the shared one's fallback count is checked by the bulk test,
+    // which may run at the same time.
+    common::require_root();
+    let dp = std::sync::Arc::new(waypoint::dataplane::Dataplane::Ebpf(Box::new(
+        waypoint::dataplane::ebpf::Ebpf::load(waypoint::dataplane::ebpf::Config::default())
+            .unwrap(),
+    )));
+    let waypoint::dataplane::Dataplane::Ebpf(e) = &*dp else {
+        unreachable!("an eBPF dataplane")
+    };
+    let fallbacks = e.fallbacks();
+    let front = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let back = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut client = TcpStream::connect(front.local_addr().unwrap())
+        .await
+        .unwrap();
+    let (mut downstream, _) = front.accept().await.unwrap();
+    // Room for more than the dataplane's 1 MiB drain while nobody reads.
+    socket2::SockRef::from(&downstream)
+        .set_recv_buffer_size(4 << 20)
+        .unwrap();
+    let writer = tokio::spawn(async move {
+        client.write_all(&[7u8; HELLO]).await.unwrap();
+        let mut buf = vec![0u8; 256 * 1024];
+        let mut off = 0u64;
+        while off < EAGER {
+            let n = (buf.len() as u64).min(EAGER - off) as usize;
+            common::pattern_fill(SEED, off, &mut buf[..n]);
+            client.write_all(&buf[..n]).await.unwrap();
+            off += n as u64;
+        }
+        client.shutdown().await.unwrap();
+        client
+    });
+    let mut hello = [0u8; HELLO];
+    downstream.read_exact(&mut hello).await.unwrap();
+    let waited = std::time::Instant::now();
+    while queued(&downstream) <= 1 << 20 {
+        assert!(
+            waited.elapsed() < std::time::Duration::from_secs(10),
+            "the client never queued more than 1 MiB ({} bytes)",
+            queued(&downstream)
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let upstream = TcpStream::connect(back.local_addr().unwrap())
+        .await
+        .unwrap();
+    let (mut server, _) = back.accept().await.unwrap();
+    let forwarder = dp.clone();
+    let forward = tokio::spawn(async move {
+        forwarder
+            .forward(downstream, upstream, &hello, Limits::default())
+            .await
+    });
+    let mut got = vec![0u8; HELLO];
+    server.read_exact(&mut got).await.unwrap();
+    assert_eq!(got, [7u8; HELLO], "the hello first");
+    let mut buf = vec![0u8; 256 * 1024];
+    let mut off = 0u64;
+    loop {
+        let n = server.read(&mut buf).await.unwrap();
+        if n == 0 {
+            break;
+        }
+        if let Some(bad) = common::pattern_mismatch(SEED, off, &buf[..n]) {
+            panic!("wrong byte at offset {bad} of the eager stream");
+        }
+        off += n as u64;
+    }
+    assert_eq!(off, EAGER, "every eager byte, then EOF");
+    server.shutdown().await.unwrap();
+    let mut client = writer.await.unwrap();
+    assert_eq!(client.read(&mut buf).await.unwrap(), 0);
+    let outcome = forward.await.unwrap().unwrap();
+    assert_eq!(outcome.end, End::Closed);
+    assert_eq!(outcome.downstream_to_upstream, HELLO as u64 + EAGER);
+    assert_eq!(outcome.upstream_to_downstream, 0);
+    assert_eq!(
+        e.fallbacks(),
+        fallbacks + 1,
+        "the eager connection was not served by the copy fallback"
+    );
+}
