@@ -50,6 +50,21 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("size {s:?} is too large"))
 }
 
+/// The kernel caps a forced socket buffer at `INT_MAX / 2` (then doubles it).
+pub const MAX_SOCKET_BUFFER: u64 = 1 << 30;
+
+/// Parses a socket buffer size (as [`parse_bytes`]); rejects sizes the kernel cannot
+/// take, which a setsockopt int would otherwise wrap into a tiny buffer.
+pub fn parse_socket_buffer(s: &str) -> Result<u64, String> {
+    let n = parse_bytes(s)?;
+    if n > MAX_SOCKET_BUFFER {
+        return Err(format!(
+            "socket buffer {s:?} is too large: at most 1GiB (the kernel's limit)"
+        ));
+    }
+    Ok(n)
+}
+
 /// Settings of the `waypoint run` daemon.
 #[derive(Clone, Debug, clap::Args)]
 pub struct Config {
@@ -199,8 +214,8 @@ pub struct Config {
     pub max_inflight: u64,
 
     /// eBPF dataplane: force the send and receive buffers of spliced sockets to this size
-    /// (SO_SNDBUFFORCE/SO_RCVBUFFORCE). Unset keeps the kernel's autotuning.
-    #[arg(long, env = "WAYPOINT_SOCKET_BUFFER", value_parser = parse_bytes)]
+    /// (SO_SNDBUFFORCE/SO_RCVBUFFORCE), at most 1GiB. Unset keeps the kernel's autotuning.
+    #[arg(long, env = "WAYPOINT_SOCKET_BUFFER", value_parser = parse_socket_buffer)]
     pub socket_buffer: Option<u64>,
 
     /// eBPF dataplane: cap on the send buffer forced on a destination socket
@@ -208,8 +223,9 @@ pub struct Config {
     /// destination drains fast. The kernel's redirect worker waits a whole timer tick
     /// (4 ms at HZ=250) whenever the destination's send buffer is half full, so the buffer
     /// is sized to 8 ticks of the measured drain, up to this cap. Slow readers and
-    /// request/response connections keep autotuned buffers. 0 never forces a buffer.
-    #[arg(long, env = "WAYPOINT_BULK_SEND_BUFFER", value_parser = parse_bytes, default_value = "16MiB")]
+    /// request/response connections keep autotuned buffers. 0 never forces a buffer; at
+    /// most 1GiB.
+    #[arg(long, env = "WAYPOINT_BULK_SEND_BUFFER", value_parser = parse_socket_buffer, default_value = "16MiB")]
     pub bulk_send_buffer: u64,
 
     /// eBPF dataplane: capacity of the per-socket maps (two entries per connection).
@@ -328,5 +344,16 @@ mod tests {
         assert!(parse_bytes("4MB").is_err());
         assert!(parse_bytes("99999999999999999999").is_err());
         assert!(parse_bytes("18446744073709551615GiB").is_err());
+    }
+
+    #[test]
+    fn socket_buffers_are_bounded() {
+        assert_eq!(parse_socket_buffer("16MiB"), Ok(16 << 20));
+        assert_eq!(parse_socket_buffer("1GiB"), Ok(1 << 30));
+        let Err(err) = parse_socket_buffer("4GiB") else {
+            panic!("4GiB accepted as a socket buffer");
+        };
+        assert!(err.contains("too large"), "{err}");
+        assert!(parse_socket_buffer("1MB").is_err());
     }
 }

@@ -148,10 +148,18 @@ async fn bulk_direction_gets_a_bigger_send_buffer() {
         "upstream send buffer {slow} raised for a slow reader"
     );
 
-    // Bulk towards a reader that pauses, then reads as fast as it can: the budget
-    // trips while it pauses, and the next measurement sees a fast drain.
+    // Bulk towards a reader that pauses until the budget trips, then reads as fast as it
+    // can: the next measurement sees a fast drain.
+    let trips_before = budget_trips(&dp);
     let writer = bulk(client_w, FAST_TOTAL).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let waited = std::time::Instant::now();
+    while budget_trips(&dp) == trips_before {
+        assert!(
+            waited.elapsed() < Duration::from_secs(10),
+            "a paused reader never tripped the budget"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
     let mut received = 0usize;
     while received < FAST_TOTAL {
         let n = server.read(&mut buf).await.unwrap();

@@ -382,7 +382,9 @@ impl Ebpf {
             dst_base: up_base,
             user_bytes: &d2u_user,
             name: "d2u",
-            drain: Mutex::new(DrainProbe::new(2 * self.config.bulk_send_buffer)),
+            drain: Mutex::new(DrainProbe::new(
+                self.config.bulk_send_buffer.saturating_mul(2),
+            )),
         };
         let u2d = Direction {
             dp: self,
@@ -392,7 +394,9 @@ impl Ebpf {
             dst_base: down_base,
             user_bytes: &u2d_user,
             name: "u2d",
-            drain: Mutex::new(DrainProbe::new(2 * self.config.bulk_send_buffer)),
+            drain: Mutex::new(DrainProbe::new(
+                self.config.bulk_send_buffer.saturating_mul(2),
+            )),
         };
         // Only read while the connection's entries exist; a failure reads as zero, which
         // only understates the byte counts reported.
@@ -641,7 +645,7 @@ impl Direction<'_> {
             self.user_bytes.fetch_add(n as u64, Relaxed);
             budget.consumed += n as u64;
             // A steady stream can keep this loop busy for long: measure here too.
-            self.measure_drain();
+            self.measure_drain(None);
         }
         budget.credit = self.credit()?;
         self.publish(*budget)?;
@@ -729,23 +733,19 @@ impl Direction<'_> {
         }
     }
 
-    /// Finishes a drain measurement if one is due, reading dst's progress.
-    fn measure_drain(&self) {
-        if lock(&self.drain).due(Instant::now()) {
-            if let Ok(h) = handed(self.dst) {
-                self.size_send_buffer(h.acked);
-            }
-        }
-    }
-
-    /// Finishes a due drain measurement, given dst's `bytes_acked` now, and raises dst's
-    /// send buffer if the measurement asks for it.
-    fn size_send_buffer(&self, acked: u64) {
+    /// Finishes a drain measurement if one is due, and raises dst's send buffer if the
+    /// measurement asks for it. `acked` is dst's `bytes_acked` when the caller has just
+    /// read it; otherwise it is read here, and only if a measurement is due.
+    fn measure_drain(&self, acked: Option<u64>) {
         let mut probe = lock(&self.drain);
         let now = Instant::now();
         if !probe.due(now) {
             return;
         }
+        let acked = match acked.map_or_else(|| handed(self.dst).map(|h| h.acked), Ok) {
+            Ok(acked) => acked,
+            Err(_) => return,
+        };
         let have = socket2::SockRef::from(self.dst)
             .send_buffer_size()
             .unwrap_or(usize::MAX);
@@ -770,7 +770,7 @@ impl Direction<'_> {
     /// The credit that keeps at most `max_inflight` redirected bytes outside dst's TCP.
     fn credit(&self) -> Result<u64, DirEnd> {
         let h = handed(self.dst).map_err(DirEnd::Error)?;
-        self.size_send_buffer(h.acked);
+        self.measure_drain(Some(h.acked));
         let redirected_in_tcp = h
             .bytes
             .saturating_sub(self.dst_base)

@@ -13,12 +13,12 @@ use std::time::{Duration, Instant};
 
 /// The redirect worker's sleep: one jiffy, 4 ms at HZ=250. (With HZ=100 it is 10 ms; the
 /// buffer is then sized short, and the next budget trip sizes it again.)
-pub(crate) const WORKER_TICK: Duration = Duration::from_millis(4);
+const WORKER_TICK: Duration = Duration::from_millis(4);
 
 /// Ticks of drain the send buffer is sized to. The worker sleeps once the queue's memory
 /// reaches half the buffer, and that memory counts skb overhead as well as payload: 8
 /// ticks leave more than 2 ticks of payload queued when the worker goes to sleep.
-pub(crate) const BUFFER_TICKS: u128 = 8;
+const BUFFER_TICKS: u128 = 8;
 
 /// One direction's measurement state. All sizes are in the kernel's terms, i.e. what
 /// `getsockopt(SO_SNDBUF)` reports: twice what `SO_SNDBUFFORCE` was given.
