@@ -7,7 +7,7 @@ use serde_json::{json, Value};
 
 use crate::{
     chart,
-    cli::{Cli, Compare, Scale, Task},
+    cli::{Cli, Compare, Figure, Scale, Task},
     hello, report,
     routers::Kind,
     scale,
@@ -147,6 +147,7 @@ fn compare(c: Compare) -> anyhow::Result<()> {
         waypoint_bin: c.common.waypoint.clone(),
         work: work.0.clone(),
         pin_cpu: c.pin_cpu.unwrap_or(cpus - 1).min(cpus - 1),
+        figures: c.figures.clone().unwrap_or_else(|| Figure::ALL.to_vec()),
     };
     let servers = Servers::start(
         &[IpAddr::from([127, 0, 1, 1])],

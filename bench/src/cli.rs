@@ -84,6 +84,24 @@ pub struct Compare {
     /// Seconds of each bulk measurement (default 3, or 1 with --quick).
     #[arg(long)]
     pub seconds: Option<f64>,
+    /// Only these figures, comma-separated: bulk (throughput and CPU per GB), latency
+    /// (ping-pong), setup (new connections), memory (idle connections). For profiling one
+    /// figure; the report leaves the others empty.
+    #[arg(long, value_delimiter = ',', value_enum)]
+    pub figures: Option<Vec<Figure>>,
+}
+
+/// A group of figures of `compare`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Figure {
+    Bulk,
+    Latency,
+    Setup,
+    Memory,
+}
+
+impl Figure {
+    pub const ALL: [Figure; 4] = [Figure::Bulk, Figure::Latency, Figure::Setup, Figure::Memory];
 }
 
 #[derive(Debug, clap::Args)]

@@ -8,6 +8,7 @@ use std::{
 };
 
 use crate::{
+    cli::Figure,
     load::{self, Bulk, Latency},
     routers::{Kind, Router, Setup},
     servers::Servers,
@@ -34,6 +35,14 @@ pub struct Settings {
     pub work: PathBuf,
     /// The CPU every process is pinned to in the pinned measurements.
     pub pin_cpu: usize,
+    /// The figures measured (`--figures`).
+    pub figures: Vec<Figure>,
+}
+
+impl Settings {
+    fn wants(&self, f: Figure) -> bool {
+        self.figures.contains(&f)
+    }
 }
 
 /// Memory of a fresh router holding idle connections.
@@ -153,7 +162,7 @@ pub fn run(s: Settings, servers: &Servers) -> anyhow::Result<Run> {
             measure(&s, servers, r, out, rep, me, hz);
         }
         for (kind, out) in s.kinds.iter().zip(results.iter_mut()) {
-            if *kind == Kind::Direct {
+            if *kind == Kind::Direct || !s.wants(Figure::Memory) {
                 continue;
             }
             match memory(&s, &mem_setup, *kind) {
@@ -214,6 +223,9 @@ fn measure(
 ) {
     let name = r.kind.name();
     for (i, &conns) in s.bulk_conns.iter().enumerate() {
+        if !s.wants(Figure::Bulk) {
+            break;
+        }
         match load::bulk(&r.sink, servers, conns, s.warmup, s.duration, &[me], hz) {
             Ok(b) => {
                 let busy = b.foreign_s / b.secs > BUSY_FOREIGN_SHARE;
@@ -237,6 +249,9 @@ fn measure(
         }
     }
     for (slot, pinned) in [(0, false), (1, true)] {
+        if !s.wants(Figure::Latency) && !s.wants(Figure::Setup) {
+            break;
+        }
         if pinned {
             match sys::pin(&[me], Some(s.pin_cpu)) {
                 Ok(refused) if !refused.is_empty() => eprintln!(
@@ -251,30 +266,34 @@ fn measure(
             }
         }
         let label = if pinned { "pinned" } else { "unpinned" };
-        match load::ping_pong(&r.echo, s.pings_warmup, s.pings) {
-            Ok(l) => {
-                eprintln!(
-                    "[rep {rep}] {name:<8} ping-pong {label}: p50 {:.1} µs, p99 {:.1}, p99.9 {:.1}",
-                    l.p50, l.p99, l.p999
-                );
-                out.ping[slot].push(l);
-            }
-            Err(e) => {
-                eprintln!("[rep {rep}] {name:<8} ping-pong {label} FAILED: {e}");
-                out.errors.push(format!("rep {rep} ping-pong {label}: {e}"));
+        if s.wants(Figure::Latency) {
+            match load::ping_pong(&r.echo, s.pings_warmup, s.pings) {
+                Ok(l) => {
+                    eprintln!(
+                        "[rep {rep}] {name:<8} ping-pong {label}: p50 {:.1} µs, p99 {:.1}, p99.9 {:.1}",
+                        l.p50, l.p99, l.p999
+                    );
+                    out.ping[slot].push(l);
+                }
+                Err(e) => {
+                    eprintln!("[rep {rep}] {name:<8} ping-pong {label} FAILED: {e}");
+                    out.errors.push(format!("rep {rep} ping-pong {label}: {e}"));
+                }
             }
         }
-        match load::setup(&r.echo, servers, s.setups) {
-            Ok((l, rate)) => {
-                eprintln!(
-                    "[rep {rep}] {name:<8} setup {label}: p50 {:.1} µs, p99 {:.1}, {rate:.0} conn/s",
-                    l.p50, l.p99
-                );
-                out.setup[slot].push((l, rate));
-            }
-            Err(e) => {
-                eprintln!("[rep {rep}] {name:<8} setup {label} FAILED: {e}");
-                out.errors.push(format!("rep {rep} setup {label}: {e}"));
+        if s.wants(Figure::Setup) {
+            match load::setup(&r.echo, servers, s.setups) {
+                Ok((l, rate)) => {
+                    eprintln!(
+                        "[rep {rep}] {name:<8} setup {label}: p50 {:.1} µs, p99 {:.1}, {rate:.0} conn/s",
+                        l.p50, l.p99
+                    );
+                    out.setup[slot].push((l, rate));
+                }
+                Err(e) => {
+                    eprintln!("[rep {rep}] {name:<8} setup {label} FAILED: {e}");
+                    out.errors.push(format!("rep {rep} setup {label}: {e}"));
+                }
             }
         }
         if pinned {

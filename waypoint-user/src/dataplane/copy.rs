@@ -70,12 +70,18 @@ pub(crate) async fn write_all(sock: &TcpStream, mut buf: &[u8]) -> io::Result<()
 }
 
 async fn pump(src: &TcpStream, dst: &TcpStream, moved: &AtomicU64) -> DirEnd {
-    let mut buf = vec![0u8; BUF_SIZE];
+    // Allocated at the first readable event and never zeroed (reads go into its spare
+    // capacity): an idle connection holds no buffer, and a short one pays no memset.
+    let mut buf = Vec::new();
     loop {
         if let Err(e) = src.readable().await {
             return classify_read_error(e);
         }
-        let n = match src.try_read(&mut buf) {
+        buf.clear();
+        if buf.capacity() < BUF_SIZE {
+            buf.reserve_exact(BUF_SIZE);
+        }
+        let n = match src.try_read_buf(&mut buf) {
             Ok(0) => {
                 return match shutdown_write(dst) {
                     Ok(()) => DirEnd::Eof,

@@ -385,8 +385,9 @@ impl Ebpf {
             drain: Mutex::new(DrainProbe::new(
                 self.config.bulk_send_buffer.saturating_mul(2),
             )),
+            open: false,
         };
-        let u2d = Direction {
+        let mut u2d = Direction {
             dp: self,
             src: &upstream,
             src_cookie: up,
@@ -397,7 +398,13 @@ impl Ebpf {
             drain: Mutex::new(DrainProbe::new(
                 self.config.bulk_send_buffer.saturating_mul(2),
             )),
+            open: false,
         };
+        // The pod answers the hello within microseconds, often before this task runs
+        // again: open the reply direction before the hello goes out, so that the answer
+        // is redirected in the kernel instead of being passed to userspace. (Only when
+        // no pod bytes wait to go first.)
+        u2d.open = up_initial.is_empty() && u2d.publish(u2d.full_budget()).is_ok();
         // Only read while the connection's entries exist; a failure reads as zero, which
         // only understates the byte counts reported.
         let redirected = |c: u64| self.counters(c).map(|v| v.redirected).unwrap_or(0);
@@ -473,6 +480,9 @@ struct Registration<'a> {
     cookies: [u64; 2],
     /// Whether the flow records were created.
     records: bool,
+    /// Which of the sockets are in the SockHash, under the peer's cookie: removing the
+    /// others would only cost a syscall that fails.
+    inserted: [bool; 2],
 }
 
 impl<'a> Registration<'a> {
@@ -484,6 +494,7 @@ impl<'a> Registration<'a> {
             dp,
             cookies: [down, up],
             records: false,
+            inserted: [false; 2],
         };
         reg.records = reg.cookies.iter().all(|&c| {
             let counters = lock(&dp.counters).insert(c, FlowCounters::default(), 0);
@@ -507,20 +518,24 @@ impl<'a> Registration<'a> {
         }
         let mut peers = lock(&self.dp.peers);
         // The downstream first: it is the socket a client may have half-closed already.
-        for (key, sock) in [(up.0, down.1), (down.0, up.1)] {
+        // It goes in under the upstream's cookie, so `inserted[1]` marks key `up`.
+        for (i, key, sock) in [(1, up.0, down.1), (0, down.0, up.1)] {
             if let Err(e) = peers.insert(key, sock.as_fd(), 0) {
                 debug!(error = %map_error_chain(&e), "socket not inserted into the SockHash");
                 return false;
             }
+            self.inserted[i] = true;
         }
         true
     }
 
     /// Takes the sockets out of the SockHash: the verdict no longer runs for them.
     fn detach(&mut self) {
-        for c in self.cookies {
-            // ENOENT: never inserted, or already unlinked by close. Nothing to undo.
-            let _ = lock(&self.dp.peers).remove(&c);
+        for (c, inserted) in self.cookies.iter().zip(&mut self.inserted) {
+            if std::mem::take(inserted) {
+                // ENOENT: already unlinked by close. Nothing to undo.
+                let _ = lock(&self.dp.peers).remove(c);
+            }
         }
     }
 }
@@ -550,6 +565,8 @@ struct Direction<'a> {
     name: &'static str,
     /// Sizes dst's send buffer after budget trips.
     drain: Mutex<DrainProbe>,
+    /// The full budget is published already (and there are no initial bytes).
+    open: bool,
 }
 
 impl Direction<'_> {
@@ -561,22 +578,22 @@ impl Direction<'_> {
     }
 
     async fn run_inner(&self, initial: &[u8]) -> Result<DirEnd, DirEnd> {
-        let limit = self.dp.config.max_inflight;
         if !initial.is_empty() {
             write_all(self.dst, initial)
                 .await
                 .map_err(classify_write_error)?;
             self.user_bytes.fetch_add(initial.len() as u64, Relaxed);
         }
-        let mut budget = FlowBudget {
-            credit: limit,
-            consumed: 0,
-        };
-        self.publish(budget)?;
+        let mut budget = self.full_budget();
+        if !self.open {
+            self.publish(budget)?;
+        }
 
         // Allocated when the verdict passes something (or at EOF), and freed again once
         // the direction goes quiet: most spliced connections never need it, and a buffer
         // per direction up front was most of the daemon's memory per idle connection.
+        // Never zeroed: reads go into its spare capacity (zeroing 256 KiB at every EOF
+        // was a tenth of the cost of a short connection).
         let mut buf = Vec::new();
         let mut quiet_refreshes = 0u32;
         loop {
@@ -585,9 +602,6 @@ impl Direction<'_> {
                 biased;
                 r = self.src.readable() => {
                     r.map_err(classify_read_error)?;
-                    if buf.is_empty() {
-                        buf = vec![0u8; PASS_BUFFER];
-                    }
                     if self.forward_passed(&mut buf, &mut budget).await? {
                         return self.finish(&mut buf, &mut budget).await;
                     }
@@ -614,12 +628,16 @@ impl Direction<'_> {
     /// Reads what the verdict passed and forwards it. Returns true at EOF.
     async fn forward_passed(
         &self,
-        buf: &mut [u8],
+        buf: &mut Vec<u8>,
         budget: &mut FlowBudget,
     ) -> Result<bool, DirEnd> {
         let mut synced = false;
         loop {
-            let n = match self.src.try_read(buf) {
+            buf.clear();
+            if buf.capacity() < PASS_BUFFER {
+                buf.reserve_exact(PASS_BUFFER);
+            }
+            let n = match self.src.try_read_buf(buf) {
                 Ok(0) => return Ok(true),
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
@@ -659,7 +677,7 @@ impl Direction<'_> {
     /// earlier can still sit in the psock's backlog queue behind segments redirected *to*
     /// src (the kernel keeps one FIFO for both): EOF is only final once userspace has
     /// consumed every passed byte.
-    async fn finish(&self, buf: &mut [u8], budget: &mut FlowBudget) -> Result<DirEnd, DirEnd> {
+    async fn finish(&self, buf: &mut Vec<u8>, budget: &mut FlowBudget) -> Result<DirEnd, DirEnd> {
         loop {
             let passed = self
                 .dp
@@ -776,6 +794,14 @@ impl Direction<'_> {
             .saturating_sub(self.dst_base)
             .saturating_sub(self.user_bytes.load(Relaxed));
         Ok(redirected_in_tcp + self.dp.config.max_inflight)
+    }
+
+    /// The budget of a direction that has nothing in userspace.
+    fn full_budget(&self) -> FlowBudget {
+        FlowBudget {
+            credit: self.dp.config.max_inflight,
+            consumed: 0,
+        }
     }
 
     fn publish(&self, budget: FlowBudget) -> Result<(), DirEnd> {
