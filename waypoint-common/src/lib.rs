@@ -3,19 +3,20 @@
 //! Everything here is `#[repr(C)]` with explicit padding: the verifier rejects reads of
 //! uninitialised padding, and both sides must agree on the layout byte for byte.
 //!
-//! The in-kernel splice keeps two records per spliced socket, both keyed by that socket's
-//! cookie (`SO_COOKIE`). They are split by writer so that neither side ever overwrites a
-//! field the other owns: a map update from userspace replaces the whole value.
+//! The in-kernel splice keeps one [`Flow`] record per spliced socket, in a slot of the
+//! `FLOWS` array that the daemon maps into its memory: the daemon sets a socket's budget
+//! and reads its counters with plain memory accesses, not syscalls. `SLOTS` maps a
+//! socket's cookie (`SO_COOKIE`) to its slot.
 #![no_std]
 #![deny(rust_2018_idioms)]
 #![deny(unsafe_code)]
 
 /// Name of the SockHash that maps a socket's cookie to its **peer** socket.
 pub const PEERS_MAP: &str = "PEERS";
-/// Name of the hash map of [`FlowCounters`], written only by the kernel.
-pub const COUNTERS_MAP: &str = "COUNTERS";
-/// Name of the hash map of [`FlowBudget`], written only by userspace.
-pub const BUDGETS_MAP: &str = "BUDGETS";
+/// Name of the hash map from a socket's cookie to its slot in [`FLOWS_MAP`].
+pub const SLOTS_MAP: &str = "SLOTS";
+/// Name of the memory-mappable array of [`Flow`] records.
+pub const FLOWS_MAP: &str = "FLOWS";
 /// Name of the per-CPU array of verdict statistics, indexed by [`Stat`].
 pub const STATS_MAP: &str = "STATS";
 /// Name of the SK_SKB stream verdict program.
@@ -35,29 +36,9 @@ pub const TCP_COPIED_SEQ_OFFSET: &str = "TCP_COPIED_SEQ_OFFSET";
 /// daemon resizes them at load time from its connection limit.
 pub const DEFAULT_MAX_SOCKETS: u32 = 262_144;
 
-/// What the verdict program did with the bytes arriving on one socket, written only by
-/// the kernel.
-///
-/// Every byte that arrives on a spliced socket is counted exactly once, either as
-/// `redirected` (sent to the peer's egress in the kernel) or as `passed` (left in this
-/// socket's receive queue for userspace to read and forward).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct FlowCounters {
-    /// Bytes redirected to the peer socket's egress.
-    pub redirected: u64,
-    /// Bytes left in this socket's receive queue for userspace.
-    pub passed: u64,
-    /// Bytes cut from the head of segments because they had been delivered already
-    /// (counted in neither of the above).
-    pub trimmed: u64,
-    /// The sequence number after the last byte seen, valid when `seq_known` is 1.
-    pub next_seq: u32,
-    /// 1 once `next_seq` is set.
-    pub seq_known: u32,
-}
-
-/// The limits userspace sets for one socket, written only by userspace.
+/// One spliced socket's record: the limits userspace sets, and what the verdict did with
+/// the bytes arriving on the socket. Each field has one writer, so neither side ever
+/// overwrites the other's updates.
 ///
 /// The verdict program redirects a segment only when both hold:
 /// - `passed == consumed`: userspace has forwarded every byte it was handed, so a redirect
@@ -68,13 +49,31 @@ pub struct FlowCounters {
 /// Otherwise the segment stays in this socket's receive queue: it counts against the
 /// receive buffer, the sender's window closes, and userspace forwards it with ordinary
 /// flow control.
+///
+/// Every byte that arrives on a spliced socket is counted exactly once, either as
+/// `redirected` (sent to the peer's egress in the kernel) or as `passed` (left in this
+/// socket's receive queue for userspace to read and forward).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct FlowBudget {
-    /// Highest value of `redirected` allowed.
+pub struct Flow {
+    /// Userspace: the cookie of the socket this slot serves. The verdict ignores a slot
+    /// whose owner is not the socket it runs for (a slot being reused).
+    pub owner: u64,
+    /// Userspace: highest value of `redirected` allowed.
     pub credit: u64,
-    /// Bytes of `passed` that userspace has read and queued on the peer.
+    /// Userspace: bytes of `passed` that userspace has read and queued on the peer.
     pub consumed: u64,
+    /// Kernel: bytes redirected to the peer socket's egress.
+    pub redirected: u64,
+    /// Kernel: bytes left in this socket's receive queue for userspace.
+    pub passed: u64,
+    /// Kernel: bytes cut from the head of segments because they had been delivered
+    /// already (counted in neither of the above).
+    pub trimmed: u64,
+    /// Kernel: the sequence number after the last byte seen, valid when `seq_known` is 1.
+    pub next_seq: u32,
+    /// Kernel: 1 once `next_seq` is set.
+    pub seq_known: u32,
 }
 
 /// Indexes of the verdict program's per-CPU statistics.
@@ -137,11 +136,8 @@ impl Stat {
 
 #[cfg(feature = "user")]
 mod pod {
-    // SAFETY: both are #[repr(C)], made only of integer fields laid out without padding,
-    // and valid for any bit pattern.
+    // SAFETY: #[repr(C)], made only of integer fields laid out without padding, and valid
+    // for any bit pattern.
     #[allow(unsafe_code, reason = "aya::Pod is an unsafe marker trait")]
-    unsafe impl aya::Pod for super::FlowCounters {}
-    // SAFETY: as above.
-    #[allow(unsafe_code, reason = "aya::Pod is an unsafe marker trait")]
-    unsafe impl aya::Pod for super::FlowBudget {}
+    unsafe impl aya::Pod for super::Flow {}
 }

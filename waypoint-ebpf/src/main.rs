@@ -6,7 +6,7 @@
 //!
 //! The program never drops a byte: whenever it does not redirect, it returns SK_PASS and
 //! the bytes stay readable on the source socket for the daemon to forward itself. See
-//! `waypoint_common::FlowBudget` for the two conditions under which it redirects, and
+//! `waypoint_common::Flow` for the two conditions under which it redirects, and
 //! docs/ARCHITECTURE.md for why (ordering, and a bounded in-flight backlog).
 //!
 //! It also cuts off bytes a segment repeats. TCP queues a segment that starts below
@@ -20,32 +20,27 @@
 use aya_ebpf::{
     bindings::{
         sk_action::{SK_DROP, SK_PASS},
-        BPF_F_NO_PREALLOC,
+        BPF_F_MMAPABLE, BPF_F_NO_PREALLOC,
     },
     helpers::{bpf_get_socket_cookie, bpf_probe_read_kernel},
     macros::{map, stream_verdict},
-    maps::{HashMap, PerCpuArray, SockHash},
+    maps::{Array, HashMap, PerCpuArray, SockHash},
     programs::SkBuffContext,
 };
-use waypoint_common::{FlowBudget, FlowCounters, Stat, DEFAULT_MAX_SOCKETS, STAT_COUNT};
+use waypoint_common::{Flow, Stat, DEFAULT_MAX_SOCKETS, STAT_COUNT};
 
 #[map]
 static PEERS: SockHash<u64> = SockHash::with_max_entries(DEFAULT_MAX_SOCKETS, 0);
 
-// Not preallocated: in a preallocated hash map an element replaced by an update (or
-// removed) goes straight back to the free list and can be reused by the next update of
-// *another* key while a verdict still reads it through the pointer it looked up. With
-// BUDGETS updated every millisecond by every connection, a verdict could then read
-// another flow's credit and consumed, see "caught up" while userspace still holds bytes,
-// and redirect out of order. Without preallocation, replaced elements are freed only
-// after an RCU grace period, and the verdict runs inside one.
+// Not preallocated: in a preallocated hash map a removed element goes straight back to
+// the free list and can be reused for another cookie while a verdict still reads it
+// through the pointer it looked up. (The slot's `owner` check below catches that too.)
 #[map]
-static COUNTERS: HashMap<u64, FlowCounters> =
-    HashMap::with_max_entries(DEFAULT_MAX_SOCKETS, BPF_F_NO_PREALLOC);
+static SLOTS: HashMap<u64, u32> = HashMap::with_max_entries(DEFAULT_MAX_SOCKETS, BPF_F_NO_PREALLOC);
 
+// Mapped into the daemon's memory: it writes budgets and reads counters without syscalls.
 #[map]
-static BUDGETS: HashMap<u64, FlowBudget> =
-    HashMap::with_max_entries(DEFAULT_MAX_SOCKETS, BPF_F_NO_PREALLOC);
+static FLOWS: Array<Flow> = Array::with_max_entries(DEFAULT_MAX_SOCKETS, BPF_F_MMAPABLE);
 
 #[map]
 static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(STAT_COUNT, 0);
@@ -96,20 +91,32 @@ fn verdict(ctx: &SkBuffContext) -> u32 {
     // SAFETY: the skb pointer is the program's context, valid for the whole invocation.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.skb.skb.cast()) };
 
-    let Some(counters) = COUNTERS.get_ptr_mut(cookie) else {
+    // SAFETY: a successful lookup; the value is copied out at once.
+    let Some(slot) = (unsafe { SLOTS.get(cookie) }).copied() else {
         count(Stat::PassedUnknown);
         return SK_PASS;
     };
-    // SAFETY: the pointer is from a successful lookup. Verdicts for one socket run under
-    // that socket's lock, so nothing else writes this value concurrently; userspace only
-    // reads it.
-    let counters = unsafe { &mut *counters };
+    let Some(flow) = FLOWS.get_ptr_mut(slot) else {
+        count(Stat::PassedUnknown);
+        return SK_PASS;
+    };
+    // SAFETY: the pointer is from a successful array lookup, valid while the map lives.
+    // Verdicts for one socket run under that socket's lock, so nothing else writes the
+    // kernel's fields concurrently; userspace writes only its own fields, which are read
+    // with volatile loads (userspace may change them at any time).
+    let flow = unsafe { &mut *flow };
+    // SAFETY: a read of a field of the valid record above.
+    if unsafe { core::ptr::read_volatile(&flow.owner) } != cookie {
+        // The slot is being handed to another socket: not ours any more.
+        count(Stat::PassedUnknown);
+        return SK_PASS;
+    }
     // SAFETY: a read of a plain global; volatile so the loader's value is used.
     let seq_offset = unsafe { core::ptr::read_volatile(&SKB_SEQ_OFFSET) };
     let len = if seq_offset == 0 {
         len
     } else {
-        match trim_repeat(ctx, counters, seq_offset, len as u32) {
+        match trim_repeat(ctx, flow, seq_offset, len as u32) {
             Trim::Kept(kept) => u64::from(kept),
             Trim::Whole => {
                 count(Stat::DroppedDuplicate);
@@ -117,34 +124,37 @@ fn verdict(ctx: &SkBuffContext) -> u32 {
             }
         }
     };
-    // SAFETY: a successful lookup; the value is copied out before use.
-    let Some(budget) = (unsafe { BUDGETS.get(cookie) }).copied() else {
-        counters.passed += len;
-        count(Stat::PassedUnknown);
-        return SK_PASS;
+    // SAFETY: reads of fields of the valid record above. Userspace raises `consumed` and
+    // `credit` separately; either order of seeing the two is safe, because both only grow:
+    // an old `consumed` fails the ordering check, an old `credit` is the smaller bound.
+    let (consumed, credit) = unsafe {
+        (
+            core::ptr::read_volatile(&flow.consumed),
+            core::ptr::read_volatile(&flow.credit),
+        )
     };
 
-    if counters.passed != budget.consumed {
+    if flow.passed != consumed {
         // Userspace still holds bytes that came before this segment.
-        counters.passed += len;
+        flow.passed += len;
         count(Stat::PassedOrdering);
         return SK_PASS;
     }
-    if counters.redirected + len > budget.credit {
-        counters.passed += len;
+    if flow.redirected + len > credit {
+        flow.passed += len;
         count(Stat::PassedBudget);
         return SK_PASS;
     }
     // Flags 0: to the peer's egress (its TCP send path), not its receive queue.
     let action = PEERS.redirect_skb(ctx, cookie, 0);
     if action == i64::from(SK_PASS) {
-        counters.redirected += len;
+        flow.redirected += len;
         count(Stat::Redirected);
         SK_PASS
     } else {
         // The helper's failure is SK_DROP. Dropping would lose bytes the sender already
         // saw ACKed, so keep them here for userspace instead.
-        counters.passed += len;
+        flow.passed += len;
         count(Stat::PassedNoPeer);
         SK_PASS
     }
@@ -160,12 +170,7 @@ enum Trim {
 /// Cuts the bytes of this segment that lie below the socket's `next_seq` (already seen)
 /// and advances `next_seq` past it.
 #[inline(always)]
-fn trim_repeat(
-    ctx: &SkBuffContext,
-    counters: &mut FlowCounters,
-    seq_offset: u32,
-    len: u32,
-) -> Trim {
+fn trim_repeat(ctx: &SkBuffContext, flow: &mut Flow, seq_offset: u32, len: u32) -> Trim {
     let skb = ctx.skb.skb.cast::<u8>().cast_const();
     // SAFETY: the context is the kernel's `struct sk_buff`, and `seq_offset` is where the
     // running kernel's BTF puts `TCP_SKB_CB(skb)->seq` in it; the helper faults safely.
@@ -173,16 +178,16 @@ fn trim_repeat(
     else {
         return Trim::Kept(len);
     };
-    if counters.seq_known == 0 {
+    if flow.seq_known == 0 {
         // The first segment: the socket's reader (userspace so far) has consumed up to
         // copied_seq, so anything below it is a repeat too.
-        counters.next_seq = copied_seq(skb).unwrap_or(seq);
-        counters.seq_known = 1;
+        flow.next_seq = copied_seq(skb).unwrap_or(seq);
+        flow.seq_known = 1;
     }
     // Sequence numbers wrap: the signed distance says which side of next_seq we are on.
-    let repeat = counters.next_seq.wrapping_sub(seq) as i32;
+    let repeat = flow.next_seq.wrapping_sub(seq) as i32;
     if repeat <= 0 {
-        counters.next_seq = seq.wrapping_add(len);
+        flow.next_seq = seq.wrapping_add(len);
         return Trim::Kept(len);
     }
     let repeat = repeat as u32;
@@ -199,7 +204,7 @@ fn trim_repeat(
         left -= step;
     }
     let removed = cut - left;
-    counters.trimmed += u64::from(removed);
+    flow.trimmed += u64::from(removed);
     if left != 0 {
         // The rest of the repeat goes on: duplicated bytes, counted, rather than a
         // dropped segment whose new bytes would be lost.
@@ -210,7 +215,7 @@ fn trim_repeat(
         count(Stat::Trimmed);
     }
     if repeat < len {
-        counters.next_seq = seq.wrapping_add(len);
+        flow.next_seq = seq.wrapping_add(len);
     }
     Trim::Kept(len - removed)
 }

@@ -14,6 +14,7 @@
 mod btf;
 pub mod copy;
 pub mod ebpf;
+mod flows;
 mod send_buffer;
 pub mod splice;
 

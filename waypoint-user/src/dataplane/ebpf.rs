@@ -38,10 +38,11 @@ use nix::sys::socket::{setsockopt, sockopt};
 use tokio::net::TcpStream;
 use tracing::{debug, info, trace, warn};
 use waypoint_common::{
-    FlowBudget, FlowCounters, Stat, BUDGETS_MAP, COUNTERS_MAP, PEERS_MAP, SKB_SEQ_OFFSET,
-    SKB_SK_OFFSET, STATS_MAP, TCP_COPIED_SEQ_OFFSET, VERDICT_PROG,
+    Stat, FLOWS_MAP, PEERS_MAP, SKB_SEQ_OFFSET, SKB_SK_OFFSET, SLOTS_MAP, STATS_MAP,
+    TCP_COPIED_SEQ_OFFSET, VERDICT_PROG,
 };
 
+use super::flows::{self, Budget, FlowCell, FlowRef, FlowTable};
 use super::send_buffer::DrainProbe;
 use super::{
     btf, classify_read_error, classify_write_error, copy::write_all, drive, shutdown_write, DirEnd,
@@ -133,6 +134,9 @@ pub enum Error {
     /// A map operation for one connection failed (e.g. the maps are full).
     #[error("eBPF map update failed: {}", map_error_chain(.0))]
     Update(#[from] aya::maps::MapError),
+    /// The flow records could not be set up.
+    #[error(transparent)]
+    Flows(#[from] flows::Error),
     /// A socket option failed.
     #[error("socket setup: {0}")]
     Io(#[from] io::Error),
@@ -166,10 +170,10 @@ impl KernelOffsets {
 pub struct MapCounts {
     /// Sockets in the SockHash.
     pub peers: usize,
-    /// Entries of the counters map.
-    pub counters: usize,
-    /// Entries of the budgets map.
-    pub budgets: usize,
+    /// Entries of the cookie → slot map.
+    pub slots: usize,
+    /// Flow records in use.
+    pub flows: usize,
 }
 
 /// The loaded and attached eBPF dataplane. Dropping it detaches the program.
@@ -177,8 +181,7 @@ pub struct Ebpf {
     config: Config,
     repeat_check: bool,
     peers: Mutex<SockHash<MapData, u64>>,
-    counters: Mutex<HashMap<MapData, u64, FlowCounters>>,
-    budgets: Mutex<HashMap<MapData, u64, FlowBudget>>,
+    flows: FlowTable,
     stats: PerCpuArray<MapData, u64>,
     fallbacks: AtomicU64,
     // Owns the program and its attachment to the SockHash.
@@ -240,8 +243,8 @@ impl Ebpf {
         let o = offsets.unwrap_or_default();
         let mut loaded = EbpfLoader::new()
             .map_max_entries(PEERS_MAP, config.max_sockets)
-            .map_max_entries(COUNTERS_MAP, config.max_sockets)
-            .map_max_entries(BUDGETS_MAP, config.max_sockets)
+            .map_max_entries(SLOTS_MAP, config.max_sockets)
+            .map_max_entries(FLOWS_MAP, config.max_sockets)
             .override_global(SKB_SEQ_OFFSET, &o.skb_seq, true)
             .override_global(SKB_SK_OFFSET, &o.skb_sk, true)
             .override_global(TCP_COPIED_SEQ_OFFSET, &o.tcp_copied_seq, true)
@@ -254,12 +257,13 @@ impl Ebpf {
         let peers: SockHash<MapData, u64> = take(&mut loaded, PEERS_MAP)?
             .try_into()
             .map_err(|e| map_error(PEERS_MAP, e))?;
-        let counters: HashMap<MapData, u64, FlowCounters> = take(&mut loaded, COUNTERS_MAP)?
+        let slots: HashMap<MapData, u64, u32> = take(&mut loaded, SLOTS_MAP)?
             .try_into()
-            .map_err(|e| map_error(COUNTERS_MAP, e))?;
-        let budgets: HashMap<MapData, u64, FlowBudget> = take(&mut loaded, BUDGETS_MAP)?
-            .try_into()
-            .map_err(|e| map_error(BUDGETS_MAP, e))?;
+            .map_err(|e| map_error(SLOTS_MAP, e))?;
+        let aya::maps::Map::Array(flows) = take(&mut loaded, FLOWS_MAP)? else {
+            return Err(map_error(FLOWS_MAP, "not an array"));
+        };
+        let flows = FlowTable::new(flows, slots, config.max_sockets)?;
         let stats: PerCpuArray<MapData, u64> = take(&mut loaded, STATS_MAP)?
             .try_into()
             .map_err(|e| map_error(STATS_MAP, e))?;
@@ -281,8 +285,7 @@ impl Ebpf {
             config,
             repeat_check: offsets.is_some(),
             peers: Mutex::new(peers),
-            counters: Mutex::new(counters),
-            budgets: Mutex::new(budgets),
+            flows,
             stats,
             fallbacks: AtomicU64::new(0),
             _loaded: loaded,
@@ -303,8 +306,8 @@ impl Ebpf {
     pub fn map_counts(&self) -> MapCounts {
         MapCounts {
             peers: lock(&self.peers).keys().count(),
-            counters: lock(&self.counters).keys().count(),
-            budgets: lock(&self.budgets).keys().count(),
+            slots: self.flows.slot_entries(),
+            flows: self.flows.in_use(),
         }
     }
 
@@ -336,14 +339,25 @@ impl Ebpf {
                 set_buffers(s, size)?;
             }
         }
+        // The hello goes out first, so the pod works on it while the connection is
+        // registered below: that work is then off the path of the pod's answer. These
+        // bytes are in the upstream's TCP baseline taken below, so they are counted apart
+        // (`sent`). Whatever a full buffer or an error leaves is written by the d2u
+        // direction as before, which also classifies the error.
+        let sent = if initial.is_empty() {
+            0
+        } else {
+            upstream.try_write(initial).unwrap_or(0)
+        };
         let down = cookie(&downstream)?;
         let up = cookie(&upstream)?;
         // The kernel runs a socket's queued segments through the verdict when the socket
         // is inserted, but from the segment's start: bytes of a segment that userspace
         // has already read in part (the router stops reading mid-segment after the
         // ClientHello) would be delivered a second time. Reading everything queued now
-        // leaves no partly-read segment behind; what arrives later is whole.
-        let mut down_initial = initial.to_vec();
+        // leaves no partly-read segment behind; what arrives later is whole. (The pod's
+        // answer may be among them already.)
+        let mut down_initial = initial[sent..].to_vec();
         let mut up_initial = Vec::new();
         let drained = drain_queued(&downstream, &mut down_initial)?
             && drain_queued(&upstream, &mut up_initial)?;
@@ -351,10 +365,14 @@ impl Ebpf {
         // sent its FIN right behind the hello (or a pod that already closed) is served by
         // the userspace copy instead: same semantics, slower. The same goes when the
         // insertion fails anyway (a FIN racing this check, full maps).
+        // Nothing can be redirected before a budget is published: these are the TCP
+        // baselines, and the sockets' states.
+        let down_tcp = handed(&downstream)?;
+        let up_tcp = handed(&upstream)?;
         let mut reg = Registration::new(self, down, up);
         let attached = drained
-            && is_established(&downstream)?
-            && is_established(&upstream)?
+            && down_tcp.state == TCP_ESTABLISHED
+            && up_tcp.state == TCP_ESTABLISHED
             && reg.attach((down, &downstream), (up, &upstream));
         if !attached {
             self.fallbacks.fetch_add(1, Relaxed);
@@ -366,18 +384,22 @@ impl Ebpf {
                 .forward_in_userspace(downstream, upstream, &down_initial, &up_initial, limits)
                 .await;
             drop(reg);
-            return outcome;
+            return outcome.map(|mut o| {
+                o.downstream_to_upstream += sent as u64;
+                o
+            });
         }
-        // Nothing has been redirected yet (credit 0): these are the TCP baselines.
-        let down_base = handed(&downstream)?.bytes;
-        let up_base = handed(&upstream)?.bytes;
+        let (down_base, up_base) = (down_tcp.bytes, up_tcp.bytes);
+        let Some((down_flow, up_flow)) = reg.cells() else {
+            return Err(Error::Io(io::Error::other("attached without flow records")));
+        };
 
         let d2u_user = AtomicU64::new(0);
         let u2d_user = AtomicU64::new(0);
         let d2u = Direction {
             dp: self,
             src: &downstream,
-            src_cookie: down,
+            flow: down_flow,
             dst: &upstream,
             dst_base: up_base,
             user_bytes: &d2u_user,
@@ -390,7 +412,7 @@ impl Ebpf {
         let mut u2d = Direction {
             dp: self,
             src: &upstream,
-            src_cookie: up,
+            flow: up_flow,
             dst: &downstream,
             dst_base: down_base,
             user_bytes: &u2d_user,
@@ -404,33 +426,40 @@ impl Ebpf {
         // again: open the reply direction before the hello goes out, so that the answer
         // is redirected in the kernel instead of being passed to userspace. (Only when
         // no pod bytes wait to go first.)
-        u2d.open = up_initial.is_empty() && u2d.publish(u2d.full_budget()).is_ok();
-        // Only read while the connection's entries exist; a failure reads as zero, which
-        // only understates the byte counts reported.
-        let redirected = |c: u64| self.counters(c).map(|v| v.redirected).unwrap_or(0);
+        if up_initial.is_empty() {
+            u2d.publish(u2d.full_budget());
+            u2d.open = true;
+        }
+        let redirected = |f: &FlowCell| f.counters().redirected;
         let end = drive(
             &downstream,
             &upstream,
             limits,
             d2u.run(&down_initial),
             u2d.run(&up_initial),
-            || redirected(down) + redirected(up) + d2u_user.load(Relaxed) + u2d_user.load(Relaxed),
+            || {
+                redirected(down_flow)
+                    + redirected(up_flow)
+                    + d2u_user.load(Relaxed)
+                    + u2d_user.load(Relaxed)
+            },
         )
         .await;
         // Stop the verdict first so the counters are final when read.
         reg.detach();
         let graceful = matches!(end, End::IdleTimeout | End::LifetimeExceeded);
         let outcome = Outcome {
-            downstream_to_upstream: delivered(
-                &upstream,
-                up_base,
-                redirected(down) + d2u_user.load(Relaxed),
-                graceful,
-            ),
+            downstream_to_upstream: sent as u64
+                + delivered(
+                    &upstream,
+                    up_base,
+                    redirected(down_flow) + d2u_user.load(Relaxed),
+                    graceful,
+                ),
             upstream_to_downstream: delivered(
                 &downstream,
                 down_base,
-                redirected(up) + u2d_user.load(Relaxed),
+                redirected(up_flow) + u2d_user.load(Relaxed),
                 graceful,
             ),
             end,
@@ -461,16 +490,6 @@ impl Ebpf {
     pub fn fallbacks(&self) -> u64 {
         self.fallbacks.load(Relaxed)
     }
-
-    fn set_budget(&self, cookie: u64, budget: FlowBudget) -> Result<(), aya::maps::MapError> {
-        lock(&self.budgets).insert(cookie, budget, 0)
-    }
-
-    fn counters(&self, cookie: u64) -> io::Result<FlowCounters> {
-        lock(&self.counters).get(&cookie, 0).map_err(|e| {
-            io::Error::other(format!("reading flow counters: {}", map_error_chain(&e)))
-        })
-    }
 }
 
 /// A connection's entries in the maps; removed on drop, whatever way the connection ends.
@@ -478,8 +497,9 @@ struct Registration<'a> {
     dp: &'a Ebpf,
     /// Downstream and upstream cookies.
     cookies: [u64; 2],
-    /// Whether the flow records were created.
-    records: bool,
+    /// The sockets' flow records, downstream first; None when they could not be made.
+    /// Declared after nothing that needs them: they go after `Drop` has detached.
+    flows: Option<[FlowRef<'a>; 2]>,
     /// Which of the sockets are in the SockHash, under the peer's cookie: removing the
     /// others would only cost a syscall that fails.
     inserted: [bool; 2],
@@ -490,30 +510,31 @@ impl<'a> Registration<'a> {
     /// bytes, every segment (including any already queued, which the kernel runs through
     /// the verdict on insertion) is passed to userspace, never redirected or dropped.
     fn new(dp: &'a Ebpf, down: u64, up: u64) -> Self {
-        let mut reg = Registration {
+        let flows = match (dp.flows.register(down), dp.flows.register(up)) {
+            (Ok(d), Ok(u)) => Some([d, u]),
+            (Err(e), _) | (_, Err(e)) => {
+                debug!(error = %e, "flow records not created");
+                None
+            }
+        };
+        Registration {
             dp,
             cookies: [down, up],
-            records: false,
+            flows,
             inserted: [false; 2],
-        };
-        reg.records = reg.cookies.iter().all(|&c| {
-            let counters = lock(&dp.counters).insert(c, FlowCounters::default(), 0);
-            let budget = dp.set_budget(c, FlowBudget::default());
-            match counters.and(budget) {
-                Ok(()) => true,
-                Err(e) => {
-                    debug!(error = %map_error_chain(&e), "flow records not created");
-                    false
-                }
-            }
-        });
-        reg
+        }
+    }
+
+    /// The downstream's and the upstream's records.
+    fn cells(&self) -> Option<(&'a FlowCell, &'a FlowCell)> {
+        let [d, u] = self.flows.as_ref()?;
+        Some((d.cell(), u.cell()))
     }
 
     /// Inserts both sockets, each under its peer's cookie. Returns false when the
     /// connection must be served in userspace instead.
     fn attach(&mut self, down: (u64, &TcpStream), up: (u64, &TcpStream)) -> bool {
-        if !self.records {
+        if self.flows.is_none() {
             return false;
         }
         let mut peers = lock(&self.dp.peers);
@@ -542,12 +563,9 @@ impl<'a> Registration<'a> {
 
 impl Drop for Registration<'_> {
     fn drop(&mut self) {
-        // Sockets first, so the verdict stops running before its records go.
+        // Sockets first, so the verdict stops running before its records go (the
+        // `flows` field is dropped after this).
         self.detach();
-        for c in self.cookies {
-            let _ = lock(&self.dp.counters).remove(&c);
-            let _ = lock(&self.dp.budgets).remove(&c);
-        }
     }
 }
 
@@ -555,7 +573,8 @@ impl Drop for Registration<'_> {
 struct Direction<'a> {
     dp: &'a Ebpf,
     src: &'a TcpStream,
-    src_cookie: u64,
+    /// src's record: the verdict's budget for src, and its counters.
+    flow: &'a FlowCell,
     dst: &'a TcpStream,
     /// `handed(dst)` before anything was sent.
     dst_base: u64,
@@ -586,7 +605,7 @@ impl Direction<'_> {
         }
         let mut budget = self.full_budget();
         if !self.open {
-            self.publish(budget)?;
+            self.publish(budget);
         }
 
         // Allocated when the verdict passes something (or at EOF), and freed again once
@@ -612,7 +631,7 @@ impl Direction<'_> {
                     trace!(dir = self.name, credit, "credit refresh");
                     if credit != budget.credit {
                         budget.credit = credit;
-                        self.publish(budget)?;
+                        self.publish(budget);
                         quiet_refreshes = 0;
                     } else {
                         quiet_refreshes += 1;
@@ -626,11 +645,7 @@ impl Direction<'_> {
     }
 
     /// Reads what the verdict passed and forwards it. Returns true at EOF.
-    async fn forward_passed(
-        &self,
-        buf: &mut Vec<u8>,
-        budget: &mut FlowBudget,
-    ) -> Result<bool, DirEnd> {
+    async fn forward_passed(&self, buf: &mut Vec<u8>, budget: &mut Budget) -> Result<bool, DirEnd> {
         let mut synced = false;
         loop {
             buf.clear();
@@ -666,7 +681,7 @@ impl Direction<'_> {
             self.measure_drain(None);
         }
         budget.credit = self.credit()?;
-        self.publish(*budget)?;
+        self.publish(*budget);
         Ok(false)
     }
 
@@ -677,13 +692,9 @@ impl Direction<'_> {
     /// earlier can still sit in the psock's backlog queue behind segments redirected *to*
     /// src (the kernel keeps one FIFO for both): EOF is only final once userspace has
     /// consumed every passed byte.
-    async fn finish(&self, buf: &mut Vec<u8>, budget: &mut FlowBudget) -> Result<DirEnd, DirEnd> {
+    async fn finish(&self, buf: &mut Vec<u8>, budget: &mut Budget) -> Result<DirEnd, DirEnd> {
         loop {
-            let passed = self
-                .dp
-                .counters(self.src_cookie)
-                .map_err(DirEnd::Error)?
-                .passed;
+            let passed = self.flow.counters().passed;
             trace!(dir = self.name, passed, consumed = budget.consumed, "eof");
             if budget.consumed >= passed {
                 break;
@@ -701,11 +712,7 @@ impl Direction<'_> {
     /// Waits until dst's TCP has taken every redirected and userspace-written byte.
     /// Only valid while `redirected` cannot grow (after a pass or at EOF).
     async fn wait_handed(&self) -> Result<(), DirEnd> {
-        let redirected = self
-            .dp
-            .counters(self.src_cookie)
-            .map_err(DirEnd::Error)?
-            .redirected;
+        let redirected = self.flow.counters().redirected;
         let target = redirected + self.user_bytes.load(Relaxed);
         let mut spins = 0u32;
         loop {
@@ -797,17 +804,15 @@ impl Direction<'_> {
     }
 
     /// The budget of a direction that has nothing in userspace.
-    fn full_budget(&self) -> FlowBudget {
-        FlowBudget {
+    fn full_budget(&self) -> Budget {
+        Budget {
             credit: self.dp.config.max_inflight,
             consumed: 0,
         }
     }
 
-    fn publish(&self, budget: FlowBudget) -> Result<(), DirEnd> {
-        self.dp
-            .set_budget(self.src_cookie, budget)
-            .map_err(|e| DirEnd::Error(io::Error::other(e)))
+    fn publish(&self, budget: Budget) {
+        self.flow.publish(budget);
     }
 }
 
@@ -923,10 +928,6 @@ fn drain_queued(sock: &TcpStream, buf: &mut Vec<u8>) -> io::Result<bool> {
 
 /// `TCP_ESTABLISHED` from include/net/tcp_states.h.
 const TCP_ESTABLISHED: u8 = 1;
-
-fn is_established(sock: &TcpStream) -> io::Result<bool> {
-    Ok(tcp_info(sock)?.tcpi_state == TCP_ESTABLISHED)
-}
 
 fn tcp_info(sock: &TcpStream) -> io::Result<libc::tcp_info> {
     // SAFETY: tcp_info is plain old data; zeroed is a valid value.
