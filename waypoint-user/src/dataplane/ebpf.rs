@@ -447,6 +447,17 @@ impl Ebpf {
         .await;
         // Stop the verdict first so the counters are final when read.
         reg.detach();
+        if end == End::Closed {
+            // Both directions saw EOF and waited until dst's TCP held every byte before
+            // passing the FIN on: the counts are exact, no need to ask TCP again.
+            return Ok(Outcome {
+                downstream_to_upstream: sent as u64
+                    + redirected(down_flow)
+                    + d2u_user.load(Relaxed),
+                upstream_to_downstream: redirected(up_flow) + u2d_user.load(Relaxed),
+                end,
+            });
+        }
         let graceful = matches!(end, End::IdleTimeout | End::LifetimeExceeded);
         let outcome = Outcome {
             downstream_to_upstream: sent as u64
@@ -713,6 +724,10 @@ impl Direction<'_> {
     /// Only valid while `redirected` cannot grow (after a pass or at EOF).
     async fn wait_handed(&self) -> Result<(), DirEnd> {
         let redirected = self.flow.counters().redirected;
+        if redirected == 0 {
+            // Only userspace wrote to dst, and a write returns once TCP holds the bytes.
+            return Ok(());
+        }
         let target = redirected + self.user_bytes.load(Relaxed);
         let mut spins = 0u32;
         loop {
