@@ -349,7 +349,7 @@ fn start_proxy(
                     let up = tokio::net::TcpStream::connect(target).await?;
                     down.set_nodelay(true)?;
                     up.set_nodelay(true)?;
-                    dp.forward(down, up, &hello, Limits::default())
+                    dp.forward(down, up, hello.to_vec(), Limits::default())
                         .await
                         .map_err(io::Error::other)
                 }

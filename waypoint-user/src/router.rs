@@ -296,7 +296,7 @@ impl Router {
         let _ = up.set_nodelay(true);
 
         let outcome = tokio::select! {
-            r = self.dataplane.forward(down, up, &buf, self.config.limits) => r,
+            r = self.dataplane.forward(down, up, Vec::from(buf), self.config.limits) => r,
             _ = kill.cancelled() => {
                 self.metrics.closed.get_or_create(&metrics::EndLabel { end: "drain_deadline" }).inc();
                 debug!("closed at the drain deadline");

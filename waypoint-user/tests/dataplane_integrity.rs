@@ -218,7 +218,7 @@ async fn eager_sender_falls_back_intact_ebpf() {
     let forwarder = dp.clone();
     let forward = tokio::spawn(async move {
         forwarder
-            .forward(downstream, upstream, &hello, Limits::default())
+            .forward(downstream, upstream, hello.to_vec(), Limits::default())
             .await
     });
     let mut got = vec![0u8; HELLO];

@@ -22,6 +22,7 @@
 use std::{
     io,
     os::fd::{AsFd, AsRawFd},
+    pin::pin,
     sync::{
         atomic::{AtomicU64, Ordering::Relaxed},
         Mutex, MutexGuard,
@@ -331,7 +332,7 @@ impl Ebpf {
         &self,
         downstream: TcpStream,
         upstream: TcpStream,
-        initial: &[u8],
+        initial: Vec<u8>,
         limits: Limits,
     ) -> Result<Outcome, Error> {
         if let Some(size) = self.config.socket_buffer {
@@ -347,7 +348,7 @@ impl Ebpf {
         let sent = if initial.is_empty() {
             0
         } else {
-            upstream.try_write(initial).unwrap_or(0)
+            upstream.try_write(&initial).unwrap_or(0)
         };
         let down = cookie(&downstream)?;
         let up = cookie(&upstream)?;
@@ -357,7 +358,13 @@ impl Ebpf {
         // ClientHello) would be delivered a second time. Reading everything queued now
         // leaves no partly-read segment behind; what arrives later is whole. (The pod's
         // answer may be among them already.)
-        let mut down_initial = initial[sent..].to_vec();
+        // The hello's buffer is not held for the connection's lifetime.
+        let mut down_initial = if sent == initial.len() {
+            Vec::new()
+        } else {
+            initial[sent..].to_vec()
+        };
+        drop(initial);
         let mut up_initial = Vec::new();
         let drained = drain_queued(&downstream, &mut down_initial)?
             && drain_queued(&upstream, &mut up_initial)?;
@@ -381,7 +388,7 @@ impl Ebpf {
             // credit, so everything arriving on it is passed and read by the copy, and
             // removing it earlier would discard what the kernel queued for it.
             let outcome = self
-                .forward_in_userspace(downstream, upstream, &down_initial, &up_initial, limits)
+                .forward_in_userspace(downstream, upstream, down_initial, &up_initial, limits)
                 .await;
             drop(reg);
             return outcome.map(|mut o| {
@@ -431,19 +438,14 @@ impl Ebpf {
             u2d.open = true;
         }
         let redirected = |f: &FlowCell| f.counters().redirected;
-        let end = drive(
-            &downstream,
-            &upstream,
-            limits,
-            d2u.run(&down_initial),
-            u2d.run(&up_initial),
-            || {
-                redirected(down_flow)
-                    + redirected(up_flow)
-                    + d2u_user.load(Relaxed)
-                    + u2d_user.load(Relaxed)
-            },
-        )
+        let d2u = pin!(d2u.run(&down_initial));
+        let u2d = pin!(u2d.run(&up_initial));
+        let end = drive(&downstream, &upstream, limits, d2u, u2d, || {
+            redirected(down_flow)
+                + redirected(up_flow)
+                + d2u_user.load(Relaxed)
+                + u2d_user.load(Relaxed)
+        })
         .await;
         // Stop the verdict first so the counters are final when read.
         reg.detach();
@@ -483,7 +485,7 @@ impl Ebpf {
         &self,
         downstream: TcpStream,
         upstream: TcpStream,
-        down_initial: &[u8],
+        down_initial: Vec<u8>,
         up_initial: &[u8],
         limits: Limits,
     ) -> Result<Outcome, Error> {

@@ -5,6 +5,7 @@
 use std::{
     io,
     os::fd::{AsFd, OwnedFd},
+    pin::pin,
     sync::atomic::{AtomicU64, Ordering::Relaxed},
 };
 
@@ -44,26 +45,29 @@ impl Splice {
         &self,
         downstream: TcpStream,
         upstream: TcpStream,
-        initial: &[u8],
+        initial: Vec<u8>,
         limits: Limits,
     ) -> io::Result<Outcome> {
         let d2u_pipe = Pipe::new(self.pipe_size)?;
         let u2d_pipe = Pipe::new(self.pipe_size)?;
         let d2u = AtomicU64::new(0);
         let u2d = AtomicU64::new(0);
-        let down_to_up = async {
-            if let Err(e) = write_all(&upstream, initial).await {
+        let down_to_up = pin!(async {
+            if let Err(e) = write_all(&upstream, &initial).await {
                 return classify_write_error(e);
             }
             d2u.fetch_add(initial.len() as u64, Relaxed);
+            // Not held for the connection's lifetime.
+            drop(initial);
             pump(&downstream, &upstream, &d2u_pipe, &d2u).await
-        };
+        });
+        let up_to_down = pin!(pump(&upstream, &downstream, &u2d_pipe, &u2d));
         let end = drive(
             &downstream,
             &upstream,
             limits,
             down_to_up,
-            pump(&upstream, &downstream, &u2d_pipe, &u2d),
+            up_to_down,
             || d2u.load(Relaxed) + u2d.load(Relaxed),
         )
         .await;
