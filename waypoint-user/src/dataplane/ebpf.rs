@@ -627,7 +627,12 @@ impl Direction<'_> {
         // Never zeroed: reads go into its spare capacity (zeroing 256 KiB at every EOF
         // was a tenth of the cost of a short connection).
         let mut buf = Vec::new();
-        let mut quiet_refreshes = 0u32;
+        // No refreshes until the verdict first passes something. The first credit covers
+        // `max_inflight` bytes, which most connections never send; a flow that does
+        // trips the budget once, and refreshing starts from there. Refreshing from the
+        // start cost every new connection 16 timer wake-ups and 32 TCP_INFO/SIOCOUTQ
+        // reads, and its first timer woke an idle worker thread.
+        let mut quiet_refreshes = IDLE_REFRESHES;
         loop {
             let refreshing = quiet_refreshes < IDLE_REFRESHES;
             tokio::select! {
