@@ -438,9 +438,9 @@ impl Ebpf {
             u2d.open = true;
         }
         let redirected = |f: &FlowCell| f.counters().redirected;
-        let d2u = pin!(d2u.run(&down_initial));
-        let u2d = pin!(u2d.run(&up_initial));
-        let end = drive(&downstream, &upstream, limits, d2u, u2d, || {
+        let d2u_run = pin!(d2u.run(&down_initial));
+        let u2d_run = pin!(u2d.run(&up_initial));
+        let end = drive(&downstream, &upstream, limits, d2u_run, u2d_run, || {
             redirected(down_flow)
                 + redirected(up_flow)
                 + d2u_user.load(Relaxed)
@@ -602,7 +602,8 @@ struct Direction<'a> {
 }
 
 impl Direction<'_> {
-    async fn run(self, initial: &[u8]) -> DirEnd {
+    // By reference: taken by value, the Direction would be stored twice in the future.
+    async fn run(&self, initial: &[u8]) -> DirEnd {
         match self.run_inner(initial).await {
             Ok(end) => end,
             Err(end) => end,
