@@ -340,31 +340,14 @@ impl Ebpf {
                 set_buffers(s, size)?;
             }
         }
-        // The hello goes out first, so the pod works on it while the connection is
-        // registered below: that work is then off the path of the pod's answer. These
-        // bytes are in the upstream's TCP baseline taken below, so they are counted apart
-        // (`sent`). Whatever a full buffer or an error leaves is written by the d2u
-        // direction as before, which also classifies the error.
-        let sent = if initial.is_empty() {
-            0
-        } else {
-            upstream.try_write(&initial).unwrap_or(0)
-        };
         let down = cookie(&downstream)?;
         let up = cookie(&upstream)?;
         // The kernel runs a socket's queued segments through the verdict when the socket
         // is inserted, but from the segment's start: bytes of a segment that userspace
         // has already read in part (the router stops reading mid-segment after the
         // ClientHello) would be delivered a second time. Reading everything queued now
-        // leaves no partly-read segment behind; what arrives later is whole. (The pod's
-        // answer may be among them already.)
-        // The hello's buffer is not held for the connection's lifetime.
-        let mut down_initial = if sent == initial.len() {
-            Vec::new()
-        } else {
-            initial[sent..].to_vec()
-        };
-        drop(initial);
+        // leaves no partly-read segment behind; what arrives later is whole.
+        let mut down_initial = initial;
         let mut up_initial = Vec::new();
         let drained = drain_queued(&downstream, &mut down_initial)?
             && drain_queued(&upstream, &mut up_initial)?;
@@ -391,10 +374,7 @@ impl Ebpf {
                 .forward_in_userspace(downstream, upstream, down_initial, &up_initial, limits)
                 .await;
             drop(reg);
-            return outcome.map(|mut o| {
-                o.downstream_to_upstream += sent as u64;
-                o
-            });
+            return outcome;
         }
         let (down_base, up_base) = (down_tcp.bytes, up_tcp.bytes);
         let Some((down_flow, up_flow)) = reg.cells() else {
@@ -438,8 +418,8 @@ impl Ebpf {
             u2d.open = true;
         }
         let redirected = |f: &FlowCell| f.counters().redirected;
-        let d2u_run = pin!(d2u.run(&down_initial));
-        let u2d_run = pin!(u2d.run(&up_initial));
+        let d2u_run = pin!(d2u.run(down_initial));
+        let u2d_run = pin!(u2d.run(up_initial));
         let end = drive(&downstream, &upstream, limits, d2u_run, u2d_run, || {
             redirected(down_flow)
                 + redirected(up_flow)
@@ -453,22 +433,19 @@ impl Ebpf {
             // Both directions saw EOF and waited until dst's TCP held every byte before
             // passing the FIN on: the counts are exact, no need to ask TCP again.
             return Ok(Outcome {
-                downstream_to_upstream: sent as u64
-                    + redirected(down_flow)
-                    + d2u_user.load(Relaxed),
+                downstream_to_upstream: redirected(down_flow) + d2u_user.load(Relaxed),
                 upstream_to_downstream: redirected(up_flow) + u2d_user.load(Relaxed),
                 end,
             });
         }
         let graceful = matches!(end, End::IdleTimeout | End::LifetimeExceeded);
         let outcome = Outcome {
-            downstream_to_upstream: sent as u64
-                + delivered(
-                    &upstream,
-                    up_base,
-                    redirected(down_flow) + d2u_user.load(Relaxed),
-                    graceful,
-                ),
+            downstream_to_upstream: delivered(
+                &upstream,
+                up_base,
+                redirected(down_flow) + d2u_user.load(Relaxed),
+                graceful,
+            ),
             upstream_to_downstream: delivered(
                 &downstream,
                 down_base,
@@ -603,20 +580,23 @@ struct Direction<'a> {
 
 impl Direction<'_> {
     // By reference: taken by value, the Direction would be stored twice in the future.
-    async fn run(&self, initial: &[u8]) -> DirEnd {
+    /// `initial` is owned so that its buffer (the hello's) is freed once written, not
+    /// held for the connection's lifetime.
+    async fn run(&self, initial: Vec<u8>) -> DirEnd {
         match self.run_inner(initial).await {
             Ok(end) => end,
             Err(end) => end,
         }
     }
 
-    async fn run_inner(&self, initial: &[u8]) -> Result<DirEnd, DirEnd> {
+    async fn run_inner(&self, initial: Vec<u8>) -> Result<DirEnd, DirEnd> {
         if !initial.is_empty() {
-            write_all(self.dst, initial)
+            write_all(self.dst, &initial)
                 .await
                 .map_err(classify_write_error)?;
             self.user_bytes.fetch_add(initial.len() as u64, Relaxed);
         }
+        drop(initial);
         let mut budget = self.full_budget();
         if !self.open {
             self.publish(budget);
