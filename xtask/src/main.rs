@@ -84,6 +84,9 @@ struct CompareArgs {
     /// Only these routers, comma-separated: direct, ebpf, splice, copy, nginx, haproxy.
     #[arg(long)]
     only: Option<String>,
+    /// Only these figures, comma-separated: bulk, latency, setup, memory.
+    #[arg(long)]
+    figures: Option<String>,
     /// Output directory (default <target>/bench).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -259,6 +262,9 @@ fn bench_compare(root: &Path, a: &CompareArgs) -> anyhow::Result<()> {
     }
     if let Some(o) = &a.only {
         c.args(["--only", o]);
+    }
+    if let Some(f) = &a.figures {
+        c.args(["--figures", f]);
     }
     run(&mut c)
 }
