@@ -73,32 +73,77 @@ pub(crate) async fn write_all(sock: &TcpStream, mut buf: &[u8]) -> io::Result<()
     Ok(())
 }
 
+/// Reads into a stack buffer of this size until one fills it; then the direction switches
+/// to a heap buffer of [`BUF_SIZE`] for good. An idle or request/response connection
+/// then holds no buffer at all (a 64 KiB one per direction, with a page or two touched,
+/// was most of the memory of an idle copied connection).
+const SMALL_READ: usize = 4096;
+
+/// What one read did.
+enum Step {
+    /// The source sent FIN.
+    Eof,
+    /// Read and written (to TCP) at once.
+    Done(usize),
+    /// Read; these bytes still have to be written.
+    Rest(Vec<u8>, usize),
+    /// Read into the heap buffer: its first bytes are to be written.
+    Big(usize),
+}
+
 async fn pump(src: &TcpStream, dst: &TcpStream, moved: &AtomicU64) -> DirEnd {
-    // Allocated at the first readable event and never zeroed (reads go into its spare
-    // capacity): an idle connection holds no buffer, and a short one pays no memset.
-    let mut buf = Vec::new();
+    // Never zeroed: reads go into its spare capacity.
+    let mut big: Vec<u8> = Vec::new();
     loop {
         if let Err(e) = src.readable().await {
             return classify_read_error(e);
         }
-        buf.clear();
-        if buf.capacity() < BUF_SIZE {
-            buf.reserve_exact(BUF_SIZE);
-        }
-        let n = match src.try_read_buf(&mut buf) {
-            Ok(0) => {
+        let step = if big.capacity() == 0 {
+            // Not held across an await: it takes no room in this future.
+            let mut small = [0u8; SMALL_READ];
+            match src.try_read(&mut small) {
+                Ok(0) => Step::Eof,
+                Ok(n) => {
+                    if n == SMALL_READ {
+                        big.reserve_exact(BUF_SIZE);
+                    }
+                    match dst.try_write(&small[..n]) {
+                        Ok(w) if w == n => Step::Done(n),
+                        Ok(w) => Step::Rest(small[w..n].to_vec(), n),
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                            Step::Rest(small[..n].to_vec(), n)
+                        }
+                        Err(e) => return classify_write_error(e),
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return classify_read_error(e),
+            }
+        } else {
+            big.clear();
+            match src.try_read_buf(&mut big) {
+                Ok(0) => Step::Eof,
+                Ok(n) => Step::Big(n),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return classify_read_error(e),
+            }
+        };
+        let written = match step {
+            Step::Eof => {
                 return match shutdown_write(dst) {
                     Ok(()) => DirEnd::Eof,
                     Err(e) => classify_write_error(e),
                 }
             }
-            Ok(n) => n,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-            Err(e) => return classify_read_error(e),
+            Step::Done(n) => Ok(n),
+            Step::Rest(rest, n) => write_all(dst, &rest).await.map(|()| n),
+            Step::Big(n) => write_all(dst, &big[..n]).await.map(|()| n),
         };
-        if let Err(e) = write_all(dst, &buf[..n]).await {
-            return classify_write_error(e);
+        match written {
+            Ok(n) => {
+                moved.fetch_add(n as u64, Relaxed);
+            }
+            Err(e) => return classify_write_error(e),
         }
-        moved.fetch_add(n as u64, Relaxed);
     }
 }
