@@ -131,6 +131,14 @@ struct FreeSlots {
 }
 
 impl FreeSlots {
+    fn new() -> FreeSlots {
+        FreeSlots {
+            next: 0,
+            resting: VecDeque::new(),
+            in_use: 0,
+        }
+    }
+
     fn take(&mut self, capacity: u32, now: Instant) -> Option<u32> {
         let slot = match self.resting.front() {
             Some(&(slot, freed)) if now.duration_since(freed) >= QUARANTINE => {
@@ -188,11 +196,7 @@ impl FlowTable {
             capacity,
             len,
             slots: Mutex::new(slots),
-            free: Mutex::new(FreeSlots {
-                next: 0,
-                resting: VecDeque::new(),
-                in_use: 0,
-            }),
+            free: Mutex::new(FreeSlots::new()),
             _flows: flows,
         })
     }
@@ -285,11 +289,7 @@ mod tests {
 
     #[test]
     fn never_used_slots_first_then_rested_ones() {
-        let mut f = FreeSlots {
-            next: 0,
-            resting: VecDeque::new(),
-            in_use: 0,
-        };
+        let mut f = FreeSlots::new();
         let t0 = Instant::now();
         assert_eq!(f.take(3, t0), Some(0));
         assert_eq!(f.take(3, t0), Some(1));
@@ -304,11 +304,7 @@ mod tests {
 
     #[test]
     fn rested_slots_come_back_oldest_first() {
-        let mut f = FreeSlots {
-            next: 0,
-            resting: VecDeque::new(),
-            in_use: 0,
-        };
+        let mut f = FreeSlots::new();
         let t0 = Instant::now();
         for _ in 0..2 {
             f.take(2, t0);
