@@ -351,12 +351,12 @@ impl Ebpf {
         let mut up_initial = Vec::new();
         let drained = drain_queued(&downstream, &mut down_initial)?
             && drain_queued(&upstream, &mut up_initial)?;
-        // The kernel only accepts established TCP sockets in a SockHash. A client that
-        // sent its FIN right behind the hello (or a pod that already closed) is served by
-        // the userspace copy instead: same semantics, slower. The same goes when the
-        // insertion fails anyway (a FIN racing this check, full maps).
         // Nothing can be redirected before a budget is published: these are the TCP
-        // baselines, and the sockets' states.
+        // baselines. They also give the sockets' states: the kernel only accepts
+        // established TCP sockets in a SockHash. A client that sent its FIN right behind
+        // the hello (or a pod that already closed) is served by the userspace copy
+        // instead: same semantics, slower. The same goes when the insertion fails anyway
+        // (a FIN racing this check, full maps, no free flow slot).
         let down_tcp = handed(&downstream)?;
         let up_tcp = handed(&upstream)?;
         let mut reg = Registration::new(self, down, up);
