@@ -993,3 +993,77 @@ fn raise_memlock_limit() {
         );
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+
+    use std::time::Duration;
+
+    use tokio::{
+        io::{AsyncReadExt, AsyncWriteExt},
+        net::TcpListener,
+    };
+
+    use super::*;
+
+    async fn pair() -> (TcpStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+        let (b, _) = l.accept().await.unwrap();
+        (a, b)
+    }
+
+    fn stat(dp: &Ebpf, which: Stat) -> u64 {
+        dp.stats()
+            .into_iter()
+            .find(|(s, _)| *s == which)
+            .map_or(0, |(_, n)| n)
+    }
+
+    /// A slot claimed by another socket (a reuse in progress) is never used: the
+    /// verdict passes the bytes to userspace instead of redirecting them on a budget
+    /// that is not theirs. Needs root; never skipped.
+    #[tokio::test]
+    async fn verdict_ignores_a_slot_owned_by_another_socket() {
+        // SAFETY: geteuid has no preconditions.
+        assert_eq!(unsafe { libc::geteuid() }, 0, "needs root (eBPF)");
+        let dp = Ebpf::load(Config::default()).expect("the eBPF dataplane loads");
+        let (mut client, down) = pair().await;
+        let (up, mut server) = pair().await;
+        let (dc, uc) = (cookie(&down).unwrap(), cookie(&up).unwrap());
+        let mut reg = Registration::new(&dp, dc, uc);
+        assert!(reg.attach((dc, &down), (uc, &up)));
+        let (down_flow, _) = reg.cells().expect("flow records");
+        down_flow.publish(Budget {
+            credit: 1 << 20,
+            consumed: 0,
+        });
+
+        down_flow.set_owner(dc ^ 1);
+        let unknown = stat(&dp, Stat::PassedUnknown);
+        client.write_all(b"hello").await.unwrap();
+        let mut got = [0u8; 5];
+        tokio::time::timeout(Duration::from_secs(5), async {
+            down.readable().await.unwrap();
+            assert_eq!(down.try_read(&mut got).unwrap(), 5);
+        })
+        .await
+        .expect("the bytes stay readable on the source");
+        assert_eq!(&got, b"hello");
+        assert_eq!(stat(&dp, Stat::PassedUnknown), unknown + 1);
+        assert_eq!(down_flow.counters(), flows::Counters::default());
+
+        // The same socket with its own slot again: redirected to the peer.
+        down_flow.set_owner(dc);
+        client.write_all(b"world").await.unwrap();
+        let mut got = [0u8; 5];
+        tokio::time::timeout(Duration::from_secs(5), server.read_exact(&mut got))
+            .await
+            .expect("redirected to the peer")
+            .unwrap();
+        assert_eq!(&got, b"world");
+        assert_eq!(down_flow.counters().redirected, 5);
+        drop(reg);
+    }
+}

@@ -97,6 +97,12 @@ impl FlowCell {
         self.credit.store(b.credit, Ordering::Release);
     }
 
+    /// Claims the slot for another socket, as a reuse in progress would.
+    #[cfg(test)]
+    pub fn set_owner(&self, owner: u64) {
+        self.owner.store(owner, Ordering::Release);
+    }
+
     pub fn counters(&self) -> Counters {
         Counters {
             redirected: self.redirected.load(Ordering::Acquire),
