@@ -360,11 +360,13 @@ impl Ebpf {
         let down_tcp = handed(&downstream)?;
         let up_tcp = handed(&upstream)?;
         let mut reg = Registration::new(self, down, up);
-        let attached = drained
-            && down_tcp.state == TCP_ESTABLISHED
-            && up_tcp.state == TCP_ESTABLISHED
-            && reg.attach((down, &downstream), (up, &upstream));
-        if !attached {
+        let attached =
+            if drained && down_tcp.state == TCP_ESTABLISHED && up_tcp.state == TCP_ESTABLISHED {
+                reg.attach((down, &downstream), (up, &upstream))
+            } else {
+                None
+            };
+        let Some((down_flow, up_flow)) = attached else {
             self.fallbacks.fetch_add(1, Relaxed);
             debug!("sockets could not enter the SockHash: forwarding in userspace");
             // `reg` stays alive until the copy ends: a socket that did get in keeps zero
@@ -375,11 +377,8 @@ impl Ebpf {
                 .await;
             drop(reg);
             return outcome;
-        }
-        let (down_base, up_base) = (down_tcp.bytes, up_tcp.bytes);
-        let Some((down_flow, up_flow)) = reg.cells() else {
-            return Err(Error::Io(io::Error::other("attached without flow records")));
         };
+        let (down_base, up_base) = (down_tcp.bytes, up_tcp.bytes);
 
         let d2u_user = AtomicU64::new(0);
         let u2d_user = AtomicU64::new(0);
@@ -488,7 +487,8 @@ struct Registration<'a> {
     /// Downstream and upstream cookies.
     cookies: [u64; 2],
     /// The sockets' flow records, downstream first; None when they could not be made.
-    /// Declared after nothing that needs them: they go after `Drop` has detached.
+    /// Fields drop after `Drop::drop`, so the records go after the sockets left the
+    /// SockHash.
     flows: Option<[FlowRef<'a>; 2]>,
     /// Which of the sockets are in the SockHash, under the peer's cookie: removing the
     /// others would only cost a syscall that fails.
@@ -515,29 +515,26 @@ impl<'a> Registration<'a> {
         }
     }
 
-    /// The downstream's and the upstream's records.
-    fn cells(&self) -> Option<(&'a FlowCell, &'a FlowCell)> {
-        let [d, u] = self.flows.as_ref()?;
-        Some((d.cell(), u.cell()))
-    }
-
-    /// Inserts both sockets, each under its peer's cookie. Returns false when the
-    /// connection must be served in userspace instead.
-    fn attach(&mut self, down: (u64, &TcpStream), up: (u64, &TcpStream)) -> bool {
-        if self.flows.is_none() {
-            return false;
-        }
+    /// Inserts both sockets, each under its peer's cookie, and returns the downstream's
+    /// and the upstream's records. None when the connection must be served in userspace
+    /// instead.
+    fn attach(
+        &mut self,
+        down: (u64, &TcpStream),
+        up: (u64, &TcpStream),
+    ) -> Option<(&'a FlowCell, &'a FlowCell)> {
+        let cells = self.flows.as_ref().map(|[d, u]| (d.cell(), u.cell()))?;
         let mut peers = lock(&self.dp.peers);
         // The downstream first: it is the socket a client may have half-closed already.
         // It goes in under the upstream's cookie, so `inserted[1]` marks key `up`.
         for (i, key, sock) in [(1, up.0, down.1), (0, down.0, up.1)] {
             if let Err(e) = peers.insert(key, sock.as_fd(), 0) {
                 debug!(error = %map_error_chain(&e), "socket not inserted into the SockHash");
-                return false;
+                return None;
             }
             self.inserted[i] = true;
         }
-        true
+        Some(cells)
     }
 
     /// Takes the sockets out of the SockHash: the verdict no longer runs for them.
@@ -579,7 +576,7 @@ struct Direction<'a> {
 }
 
 impl Direction<'_> {
-    // By reference: taken by value, the Direction would be stored twice in the future.
+    /// By reference: taken by value, the Direction would be stored twice in the future.
     /// `initial` is owned so that its buffer (the hello's) is freed once written, not
     /// held for the connection's lifetime.
     async fn run(&self, initial: Vec<u8>) -> DirEnd {
@@ -1033,8 +1030,7 @@ mod tests {
         let (up, mut server) = pair().await;
         let (dc, uc) = (cookie(&down).unwrap(), cookie(&up).unwrap());
         let mut reg = Registration::new(&dp, dc, uc);
-        assert!(reg.attach((dc, &down), (uc, &up)));
-        let (down_flow, _) = reg.cells().expect("flow records");
+        let (down_flow, _) = reg.attach((dc, &down), (uc, &up)).expect("attached");
         down_flow.publish(Budget {
             credit: 1 << 20,
             consumed: 0,
@@ -1065,5 +1061,50 @@ mod tests {
         assert_eq!(&got, b"world");
         assert_eq!(down_flow.counters().redirected, 5);
         drop(reg);
+    }
+
+    /// With every flow slot taken, a new connection is counted as a fallback and
+    /// served by the userspace copy, every byte intact. Needs root; never skipped.
+    #[tokio::test]
+    async fn no_free_slot_falls_back_to_userspace() {
+        // SAFETY: geteuid has no preconditions.
+        assert_eq!(unsafe { libc::geteuid() }, 0, "needs root (eBPF)");
+        let dp = Ebpf::load(Config {
+            max_sockets: 2,
+            ..Config::default()
+        })
+        .expect("the eBPF dataplane loads");
+        // One connection holds both slots.
+        let (_a, b) = pair().await;
+        let (c, _d) = pair().await;
+        let _held = Registration::new(&dp, cookie(&b).unwrap(), cookie(&c).unwrap());
+        assert_eq!(dp.map_counts().flows, 2);
+
+        let (mut client, down) = pair().await;
+        let (up, mut server) = pair().await;
+        let forward = dp.forward(down, up, b"hi".to_vec(), Limits::default());
+        let peers = async {
+            client.write_all(b"abc").await.unwrap();
+            let mut got = [0u8; 5];
+            server.read_exact(&mut got).await.unwrap();
+            assert_eq!(&got, b"hiabc");
+            server.write_all(b"xyz").await.unwrap();
+            let mut got = [0u8; 3];
+            client.read_exact(&mut got).await.unwrap();
+            assert_eq!(&got, b"xyz");
+            client.shutdown().await.unwrap();
+            server.shutdown().await.unwrap();
+        };
+        let (outcome, ()) = tokio::time::timeout(Duration::from_secs(10), async {
+            tokio::join!(forward, peers)
+        })
+        .await
+        .expect("the connection ends");
+        let outcome = outcome.expect("served in userspace");
+        assert_eq!(outcome.end, End::Closed);
+        assert_eq!(outcome.downstream_to_upstream, 5);
+        assert_eq!(outcome.upstream_to_downstream, 3);
+        assert_eq!(dp.fallbacks(), 1);
+        assert_eq!(dp.map_counts().flows, 2, "the held records are untouched");
     }
 }
