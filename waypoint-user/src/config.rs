@@ -234,6 +234,13 @@ pub struct Config {
     #[arg(long, env = "WAYPOINT_MAX_SOCKETS", value_parser = clap::value_parser!(u32).range(2..), default_value_t = waypoint_common::DEFAULT_MAX_SOCKETS)]
     pub max_sockets: u32,
 
+    /// eBPF dataplane: copy each connection in userspace until both directions together
+    /// have carried this many bytes, then move it into the kernel. A socket in the
+    /// SockHash costs about 20 µs to set up and tear down, more than a short connection
+    /// gains. 0 moves every connection into the kernel at once.
+    #[arg(long, env = "WAYPOINT_SPLICE_AFTER", value_parser = parse_bytes, default_value = "16KiB")]
+    pub splice_after: u64,
+
     /// Splice dataplane: pipe capacity per direction of a connection.
     #[arg(long, env = "WAYPOINT_PIPE_SIZE", value_parser = parse_bytes, default_value = "1MiB")]
     pub pipe_size: u64,
@@ -317,6 +324,7 @@ impl Config {
                 .map(|b| usize::try_from(b).unwrap_or(usize::MAX)),
             bulk_send_buffer: usize::try_from(self.bulk_send_buffer).unwrap_or(usize::MAX),
             max_sockets: self.max_sockets,
+            splice_after: self.splice_after,
         }
     }
 }

@@ -15,6 +15,7 @@ mod btf;
 pub mod copy;
 pub mod ebpf;
 mod flows;
+mod handover;
 mod send_buffer;
 pub mod splice;
 

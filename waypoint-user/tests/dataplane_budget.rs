@@ -176,6 +176,7 @@ fn budget_dataplane(max_inflight: u64) -> Arc<Dataplane> {
     Arc::new(Dataplane::Ebpf(Box::new(
         ebpf::Ebpf::load(ebpf::Config {
             max_inflight,
+            splice_after: 0,
             ..ebpf::Config::default()
         })
         .unwrap(),

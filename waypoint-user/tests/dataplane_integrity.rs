@@ -170,8 +170,11 @@ async fn eager_sender_falls_back_intact_ebpf() {
     // which may run at the same time.
     common::require_root();
     let dp = std::sync::Arc::new(waypoint::dataplane::Dataplane::Ebpf(Box::new(
-        waypoint::dataplane::ebpf::Ebpf::load(waypoint::dataplane::ebpf::Config::default())
-            .unwrap(),
+        waypoint::dataplane::ebpf::Ebpf::load(waypoint::dataplane::ebpf::Config {
+            splice_after: 0,
+            ..waypoint::dataplane::ebpf::Config::default()
+        })
+        .unwrap(),
     )));
     let waypoint::dataplane::Dataplane::Ebpf(e) = &*dp else {
         unreachable!("an eBPF dataplane")

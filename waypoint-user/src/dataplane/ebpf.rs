@@ -46,8 +46,11 @@ use waypoint_common::{
 use super::flows::{self, Budget, FlowCell, FlowRef, FlowTable};
 use super::send_buffer::DrainProbe;
 use super::{
-    btf, classify_read_error, classify_write_error, copy::write_all, drive, shutdown_write, DirEnd,
-    End, Limits, Outcome,
+    btf, classify_read_error, classify_write_error,
+    copy::{pump, write_all},
+    drive,
+    handover::{Gate, Handover, Side},
+    shutdown_write, DirEnd, End, Limits, Outcome,
 };
 
 /// The eBPF object built by waypoint-user's build script from waypoint-ebpf.
@@ -61,6 +64,11 @@ pub const DEFAULT_MAX_INFLIGHT: u64 = 4 * 1024 * 1024;
 /// half full; half of 16 MiB is more than a tick of loopback bulk, so the destination
 /// does not run dry meanwhile. See docs/ARCHITECTURE.md.
 pub const DEFAULT_BULK_SEND_BUFFER: usize = 16 * 1024 * 1024;
+
+/// Default for [`Config::splice_after`]: a connection moves into the SockHash once it
+/// has carried this many bytes, both directions together. A TLS handshake and a few small
+/// requests stay below it.
+pub const DEFAULT_SPLICE_AFTER: u64 = 16 * 1024;
 
 /// Read size for the bytes the verdict passes. Each read drains more of the queue than
 /// the 64 KiB used before, so userspace catches up with a bulk sender sooner and the flow
@@ -102,6 +110,10 @@ pub struct Config {
     pub bulk_send_buffer: usize,
     /// Capacity of the per-socket maps: two entries per connection.
     pub max_sockets: u32,
+    /// A connection is copied in userspace until both directions together have carried
+    /// this many bytes, and only then moved into the SockHash: a psock costs more than a
+    /// short connection gains from the kernel path. 0 moves every connection at once.
+    pub splice_after: u64,
 }
 
 impl Default for Config {
@@ -111,8 +123,17 @@ impl Default for Config {
             socket_buffer: None,
             bulk_send_buffer: DEFAULT_BULK_SEND_BUFFER,
             max_sockets: waypoint_common::DEFAULT_MAX_SOCKETS,
+            splice_after: DEFAULT_SPLICE_AFTER,
         }
     }
+}
+
+/// How the copy that starts a connection ended.
+enum Start {
+    /// The connection ended in the copy.
+    Ended(Outcome),
+    /// Both pumps parked: the connection moves into the kernel. Bytes copied so far.
+    Moved { d2u: u64, u2d: u64 },
 }
 
 /// Errors of the eBPF dataplane.
@@ -185,6 +206,7 @@ pub struct Ebpf {
     flows: FlowTable,
     stats: PerCpuArray<MapData, u64>,
     fallbacks: AtomicU64,
+    handovers: AtomicU64,
     // Owns the program and its attachment to the SockHash.
     _loaded: Loaded,
 }
@@ -279,6 +301,7 @@ impl Ebpf {
             socket_buffer = ?config.socket_buffer,
             bulk_send_buffer = config.bulk_send_buffer,
             max_sockets = config.max_sockets,
+            splice_after = config.splice_after,
             repeat_check = offsets.is_some(),
             "eBPF dataplane attached"
         );
@@ -289,6 +312,7 @@ impl Ebpf {
             flows,
             stats,
             fallbacks: AtomicU64::new(0),
+            handovers: AtomicU64::new(0),
             _loaded: loaded,
         })
     }
@@ -329,6 +353,99 @@ impl Ebpf {
 
     /// See [`super::Dataplane::forward`].
     pub async fn forward(
+        &self,
+        downstream: TcpStream,
+        upstream: TcpStream,
+        initial: Vec<u8>,
+        limits: Limits,
+    ) -> Result<Outcome, Error> {
+        if self.config.splice_after == 0 {
+            return self.splice(downstream, upstream, initial, limits).await;
+        }
+        let start = Instant::now();
+        let (d2u, u2d) = match self
+            .copy_first(&downstream, &upstream, initial, limits)
+            .await?
+        {
+            Start::Ended(outcome) => return Ok(outcome),
+            Start::Moved { d2u, u2d } => (d2u, u2d),
+        };
+        self.handovers.fetch_add(1, Relaxed);
+        trace!(d2u, u2d, "moving the connection into the kernel");
+        // The lifetime counts from the accept, not from the move.
+        let limits = Limits {
+            max_lifetime: limits
+                .max_lifetime
+                .map(|l| l.saturating_sub(start.elapsed())),
+            ..limits
+        };
+        let mut outcome = self
+            .splice(downstream, upstream, Vec::new(), limits)
+            .await?;
+        outcome.downstream_to_upstream += d2u;
+        outcome.upstream_to_downstream += u2d;
+        Ok(outcome)
+    }
+
+    /// Copies in userspace until the connection has carried `splice_after` bytes and
+    /// both pumps parked (see `dataplane/handover.rs`), or until it ends.
+    async fn copy_first(
+        &self,
+        downstream: &TcpStream,
+        upstream: &TcpStream,
+        initial: Vec<u8>,
+        limits: Limits,
+    ) -> Result<Start, Error> {
+        let handover = Handover::new(self.config.splice_after);
+        let d2u = AtomicU64::new(0);
+        let u2d = AtomicU64::new(0);
+        let down_to_up = pin!(async {
+            if let Err(e) = write_all(upstream, &initial).await {
+                return classify_write_error(e);
+            }
+            d2u.fetch_add(initial.len() as u64, Relaxed);
+            handover.moved(initial.len());
+            drop(initial);
+            pump(
+                downstream,
+                upstream,
+                &d2u,
+                Gate {
+                    handover: &handover,
+                    side: Side::Down,
+                },
+            )
+            .await
+        });
+        let up_to_down = pin!(pump(
+            upstream,
+            downstream,
+            &u2d,
+            Gate {
+                handover: &handover,
+                side: Side::Up,
+            },
+        ));
+        let driven = drive(downstream, upstream, limits, down_to_up, up_to_down, || {
+            d2u.load(Relaxed) + u2d.load(Relaxed)
+        });
+        tokio::select! {
+            biased;
+            () = handover.both_parked() => Ok(Start::Moved {
+                d2u: d2u.load(Relaxed),
+                u2d: u2d.load(Relaxed),
+            }),
+            end = driven => Ok(Start::Ended(Outcome {
+                downstream_to_upstream: d2u.load(Relaxed),
+                upstream_to_downstream: u2d.load(Relaxed),
+                end,
+            })),
+        }
+    }
+
+    /// Moves the connection into the SockHash (or, if it cannot enter, copies it in
+    /// userspace) and forwards it to the end.
+    async fn splice(
         &self,
         downstream: TcpStream,
         upstream: TcpStream,
@@ -478,6 +595,12 @@ impl Ebpf {
     /// SockHash (already half-closed when routed).
     pub fn fallbacks(&self) -> u64 {
         self.fallbacks.load(Relaxed)
+    }
+
+    /// Connections moved into the kernel after the copy they started in carried
+    /// `splice_after` bytes. Connections that end below it are never counted.
+    pub fn handovers(&self) -> u64 {
+        self.handovers.load(Relaxed)
     }
 }
 
@@ -1071,6 +1194,7 @@ mod tests {
         assert_eq!(unsafe { libc::geteuid() }, 0, "needs root (eBPF)");
         let dp = Ebpf::load(Config {
             max_sockets: 2,
+            splice_after: 0,
             ..Config::default()
         })
         .expect("the eBPF dataplane loads");

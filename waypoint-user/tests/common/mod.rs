@@ -22,8 +22,14 @@ pub fn ebpf() -> Arc<Dataplane> {
     static DP: OnceLock<Arc<Dataplane>> = OnceLock::new();
     DP.get_or_init(|| {
         require_root();
-        let dp = ebpf::Ebpf::load(ebpf::Config::default())
-            .expect("eBPF dataplane must load: tests run as root on a sockmap kernel");
+        // Every connection enters the SockHash at once, so that these tests exercise the
+        // kernel path from the first byte; `tests/dataplane_handover.rs` covers the move
+        // from the copy into the kernel (`splice_after`).
+        let dp = ebpf::Ebpf::load(ebpf::Config {
+            splice_after: 0,
+            ..ebpf::Config::default()
+        })
+        .expect("eBPF dataplane must load: tests run as root on a sockmap kernel");
         assert!(
             dp.repeat_check(),
             "the verdict's repeat check must be on: tests run on a kernel with BTF"
