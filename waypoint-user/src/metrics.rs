@@ -21,12 +21,19 @@ struct ActionLabel {
     action: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PathLabel {
+    path: &'static str,
+}
+
 /// The daemon's metrics.
 pub struct Metrics {
     registry: Registry,
     dataplane: Arc<Dataplane>,
     ebpf_segments: Family<ActionLabel, Counter>,
-    // Last values read from the kernel, to turn its totals into counter increments.
+    ebpf_connections: Family<PathLabel, Counter>,
+    // Last totals read from the dataplane, to turn them into counter increments: the
+    // verdict's statistics, then the connections moved and fallen back.
     ebpf_seen: Mutex<Vec<u64>>,
 }
 
@@ -45,17 +52,26 @@ impl Metrics {
             info,
         );
         let ebpf_segments = Family::<ActionLabel, Counter>::default();
+        let ebpf_connections = Family::<PathLabel, Counter>::default();
         if matches!(*dataplane, Dataplane::Ebpf(_)) {
             registry.register(
                 "ebpf_segments",
                 "Segments seen by the stream verdict, by what it did with them",
                 ebpf_segments.clone(),
             );
+            registry.register(
+                "ebpf_connections",
+                "Connections that left the userspace copy they started in: moved into the \
+                 kernel after --splice-after bytes (moved), or copied to the end because \
+                 their sockets could not enter the SockHash (fallback)",
+                ebpf_connections.clone(),
+            );
         }
         Metrics {
             registry,
             dataplane,
             ebpf_segments,
+            ebpf_connections,
             ebpf_seen: Mutex::new(Vec::new()),
         }
     }
@@ -68,17 +84,19 @@ impl Metrics {
     /// Renders the OpenMetrics text exposition.
     pub fn render(&self) -> String {
         if let Dataplane::Ebpf(e) = &*self.dataplane {
-            let stats = e.stats();
             let mut seen = self.ebpf_seen.lock().unwrap_or_else(|p| p.into_inner());
-            seen.resize(stats.len(), 0);
-            for (i, (stat, total)) in stats.into_iter().enumerate() {
-                let delta = total.saturating_sub(seen[i]);
-                seen[i] = total;
-                self.ebpf_segments
-                    .get_or_create(&ActionLabel {
-                        action: stat.label(),
-                    })
-                    .inc_by(delta);
+            let segments = e.stats();
+            let n = segments.len();
+            for (i, (stat, total)) in segments.into_iter().enumerate() {
+                let counter = self.ebpf_segments.get_or_create(&ActionLabel {
+                    action: stat.label(),
+                });
+                inc_to(&counter, &mut seen, i, total);
+            }
+            let connections = [("moved", e.handovers()), ("fallback", e.fallbacks())];
+            for (j, (path, total)) in connections.into_iter().enumerate() {
+                let counter = self.ebpf_connections.get_or_create(&PathLabel { path });
+                inc_to(&counter, &mut seen, n + j, total);
             }
         }
         let mut out = String::new();
@@ -86,4 +104,13 @@ impl Metrics {
         let _ = encode(&mut out, &self.registry);
         out
     }
+}
+
+/// Raises `counter` by what `total` grew since `seen[i]`.
+fn inc_to(counter: &Counter, seen: &mut Vec<u64>, i: usize, total: u64) {
+    if seen.len() <= i {
+        seen.resize(i + 1, 0);
+    }
+    counter.inc_by(total.saturating_sub(seen[i]));
+    seen[i] = total;
 }

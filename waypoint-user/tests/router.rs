@@ -105,6 +105,14 @@ async fn routes_through(dataplane: &str, pod_ip: &str, port: u16) {
         )),
         "{m}"
     );
+    if dataplane == "ebpf" {
+        // The 4 MiB echo crossed --splice-after (16 KiB by default) and was moved into
+        // the kernel; the 4-byte one ended in the copy it started in.
+        let moved = "waypoint_ebpf_connections_total{path=\"moved\"}";
+        let fallback = "waypoint_ebpf_connections_total{path=\"fallback\"}";
+        assert_eq!(sample(admin, moved).await, 1.0, "{m}");
+        assert_eq!(sample(admin, fallback).await, 0.0, "{m}");
+    }
     app.shutdown().await;
 }
 

@@ -360,7 +360,9 @@ impl Ebpf {
         limits: Limits,
     ) -> Result<Outcome, Error> {
         if self.config.splice_after == 0 {
-            return self.splice(downstream, upstream, initial, limits).await;
+            return self
+                .splice(downstream, upstream, initial, Vec::new(), limits)
+                .await;
         }
         let start = Instant::now();
         let (d2u, u2d) = match self
@@ -379,11 +381,18 @@ impl Ebpf {
                 .map(|l| l.saturating_sub(start.elapsed())),
             ..limits
         };
+        let settled = settle(&downstream, &upstream)?;
         let mut outcome = self
-            .splice(downstream, upstream, Vec::new(), limits)
+            .splice(
+                downstream,
+                upstream,
+                settled.down_rest,
+                settled.up_rest,
+                limits,
+            )
             .await?;
-        outcome.downstream_to_upstream += d2u;
-        outcome.upstream_to_downstream += u2d;
+        outcome.downstream_to_upstream += d2u + settled.d2u;
+        outcome.upstream_to_downstream += u2d + settled.u2d;
         Ok(outcome)
     }
 
@@ -445,11 +454,14 @@ impl Ebpf {
 
     /// Moves the connection into the SockHash (or, if it cannot enter, copies it in
     /// userspace) and forwards it to the end.
+    /// `down_initial` and `up_initial` are written to the upstream and the downstream
+    /// first.
     async fn splice(
         &self,
         downstream: TcpStream,
         upstream: TcpStream,
-        initial: Vec<u8>,
+        mut down_initial: Vec<u8>,
+        mut up_initial: Vec<u8>,
         limits: Limits,
     ) -> Result<Outcome, Error> {
         if let Some(size) = self.config.socket_buffer {
@@ -459,15 +471,6 @@ impl Ebpf {
         }
         let down = cookie(&downstream)?;
         let up = cookie(&upstream)?;
-        // The kernel runs a socket's queued segments through the verdict when the socket
-        // is inserted, but from the segment's start: bytes of a segment that userspace
-        // has already read in part (the router stops reading mid-segment after the
-        // ClientHello) would be delivered a second time. Reading everything queued now
-        // leaves no partly-read segment behind; what arrives later is whole.
-        let mut down_initial = initial;
-        let mut up_initial = Vec::new();
-        let drained = drain_queued(&downstream, &mut down_initial)?
-            && drain_queued(&upstream, &mut up_initial)?;
         // Nothing can be redirected before a budget is published: these are the TCP
         // baselines. They also give the sockets' states: the kernel only accepts
         // established TCP sockets in a SockHash. A client that sent its FIN right behind
@@ -477,6 +480,25 @@ impl Ebpf {
         let down_tcp = handed(&downstream)?;
         let up_tcp = handed(&upstream)?;
         let mut reg = Registration::new(self, down, up);
+        // The kernel runs a socket's queued segments through the verdict when the socket
+        // is inserted, but from the segment's start: bytes of a segment that userspace
+        // has already read in part (the router stops reading mid-segment after the
+        // ClientHello) would be delivered a second time. Reading everything queued now
+        // leaves no partly-read segment behind; what arrives later is whole. The drain
+        // comes last, right before the insertion, so that little can arrive in between.
+        let drained = drain_queued(&downstream, &mut down_initial)?
+            && drain_queued(&upstream, &mut up_initial)?;
+        // A direction with nothing to write first gets its credit before its socket goes
+        // in, so that what arrives from now on is redirected, in order, instead of being
+        // passed: once passed, a steady sender keeps the direction in userspace until
+        // userspace wins a race with it (docs/PERFORMANCE.md). The pod's direction opens
+        // this way before the hello goes out; it answers within microseconds.
+        let open = [down_initial.is_empty(), up_initial.is_empty()];
+        for (i, open) in open.into_iter().enumerate() {
+            if open {
+                reg.set_credit(i, self.config.max_inflight);
+            }
+        }
         let attached =
             if drained && down_tcp.state == TCP_ESTABLISHED && up_tcp.state == TCP_ESTABLISHED {
                 reg.attach((down, &downstream), (up, &upstream))
@@ -485,6 +507,9 @@ impl Ebpf {
             };
         let Some((down_flow, up_flow)) = attached else {
             self.fallbacks.fetch_add(1, Relaxed);
+            for i in 0..2 {
+                reg.set_credit(i, 0);
+            }
             debug!("sockets could not enter the SockHash: forwarding in userspace");
             // `reg` stays alive until the copy ends: a socket that did get in keeps zero
             // credit, so everything arriving on it is passed and read by the copy, and
@@ -510,9 +535,9 @@ impl Ebpf {
             drain: Mutex::new(DrainProbe::new(
                 self.config.bulk_send_buffer.saturating_mul(2),
             )),
-            open: false,
+            open: open[0],
         };
-        let mut u2d = Direction {
+        let u2d = Direction {
             dp: self,
             src: &upstream,
             flow: up_flow,
@@ -523,16 +548,8 @@ impl Ebpf {
             drain: Mutex::new(DrainProbe::new(
                 self.config.bulk_send_buffer.saturating_mul(2),
             )),
-            open: false,
+            open: open[1],
         };
-        // The pod answers the hello within microseconds, often before this task runs
-        // again: open the reply direction before the hello goes out, so that the answer
-        // is redirected in the kernel instead of being passed to userspace. (Only when
-        // no pod bytes wait to go first.)
-        if up_initial.is_empty() {
-            u2d.publish(u2d.full_budget());
-            u2d.open = true;
-        }
         let redirected = |f: &FlowCell| f.counters().redirected;
         let d2u_run = pin!(d2u.run(down_initial));
         let u2d_run = pin!(u2d.run(up_initial));
@@ -638,6 +655,17 @@ impl<'a> Registration<'a> {
         }
     }
 
+    /// Publishes socket `i`'s credit (0: the downstream, 1: the upstream), with nothing
+    /// consumed: for a direction with no bytes in userspace.
+    fn set_credit(&self, i: usize, credit: u64) {
+        if let Some(f) = self.flows.as_ref().and_then(|f| f.get(i)) {
+            f.cell().publish(Budget {
+                credit,
+                consumed: 0,
+            });
+        }
+    }
+
     /// Inserts both sockets, each under its peer's cookie, and returns the downstream's
     /// and the upstream's records. None when the connection must be served in userspace
     /// instead.
@@ -694,7 +722,7 @@ struct Direction<'a> {
     name: &'static str,
     /// Sizes dst's send buffer after budget trips.
     drain: Mutex<DrainProbe>,
-    /// The full budget is published already (and there are no initial bytes).
+    /// The full budget was published before the sockets went in (no initial bytes).
     open: bool,
 }
 
@@ -1049,6 +1077,63 @@ fn drain_queued(sock: &TcpStream, buf: &mut Vec<u8>) -> io::Result<bool> {
     Ok(false)
 }
 
+/// Rounds of [`settle`]: each forwards what arrived during the previous one.
+const SETTLE_ROUNDS: usize = 8;
+
+/// What [`settle`] did.
+#[derive(Debug, Default)]
+struct Settled {
+    /// Bytes forwarded downstream → upstream and upstream → downstream.
+    d2u: u64,
+    u2d: u64,
+    /// Bytes read that could not be written without waiting: they go first.
+    down_rest: Vec<u8>,
+    up_rest: Vec<u8>,
+}
+
+/// Forwards what is queued on a connection that is about to enter the SockHash, for as
+/// long as that needs no waiting, so that it enters with nothing held in userspace and
+/// both directions start on the kernel path. A steady sender queues more while userspace
+/// forwards, hence the rounds: under loopback bulk the queue shrinks each round. What
+/// cannot be written at once (a full send buffer) is returned instead: waiting here
+/// would escape the idle and lifetime limits, which only `drive` enforces.
+fn settle(down: &TcpStream, up: &TcpStream) -> io::Result<Settled> {
+    let mut s = Settled::default();
+    for _ in 0..SETTLE_ROUNDS {
+        let (mut d, mut u) = (Vec::new(), Vec::new());
+        // A full drain (1 MiB) is fine here: the next round reads on.
+        drain_queued(down, &mut d)?;
+        drain_queued(up, &mut u)?;
+        if d.is_empty() && u.is_empty() {
+            break;
+        }
+        let (dn, un) = (write_now(up, &d), write_now(down, &u));
+        s.d2u += dn as u64;
+        s.u2d += un as u64;
+        if dn < d.len() || un < u.len() {
+            d.drain(..dn);
+            u.drain(..un);
+            s.down_rest = d;
+            s.up_rest = u;
+            break;
+        }
+    }
+    Ok(s)
+}
+
+/// Writes as much of `buf` as `sock` takes without waiting. An error stops it too: the
+/// direction meets it again when it writes the rest, and reports it the usual way.
+fn write_now(sock: &TcpStream, buf: &[u8]) -> usize {
+    let mut n = 0;
+    while n < buf.len() {
+        match sock.try_write(&buf[n..]) {
+            Ok(0) | Err(_) => break,
+            Ok(w) => n += w,
+        }
+    }
+    n
+}
+
 /// `TCP_ESTABLISHED` from include/net/tcp_states.h.
 const TCP_ESTABLISHED: u8 = 1;
 
@@ -1230,5 +1315,78 @@ mod tests {
         assert_eq!(outcome.upstream_to_downstream, 3);
         assert_eq!(dp.fallbacks(), 1);
         assert_eq!(dp.map_counts().flows, 2, "the held records are untouched");
+    }
+
+    /// Waits until `sock` has at least `n` bytes queued and tokio has seen it readable.
+    async fn queued_at_least(sock: &TcpStream, n: usize) {
+        tokio::time::timeout(Duration::from_secs(5), async {
+            loop {
+                let mut q: libc::c_int = 0;
+                // SAFETY: FIONREAD writes one int through the pointer; the fd is open.
+                let rc = unsafe { libc::ioctl(sock.as_raw_fd(), libc::FIONREAD, &mut q) };
+                assert_eq!(rc, 0);
+                if q as usize >= n {
+                    // And tokio knows: its try_read does not even try before that.
+                    sock.readable().await.unwrap();
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("the bytes arrive");
+    }
+
+    /// What is queued on both sockets is forwarded before they enter the SockHash.
+    #[tokio::test]
+    async fn settle_forwards_what_is_queued() {
+        let (mut client, down) = pair().await;
+        let (up, mut server) = pair().await;
+        let a: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+        client.write_all(&a).await.unwrap();
+        server.write_all(b"answer").await.unwrap();
+        queued_at_least(&down, a.len()).await;
+        queued_at_least(&up, 6).await;
+        let s = settle(&down, &up).unwrap();
+        assert_eq!((s.d2u, s.u2d), (a.len() as u64, 6));
+        assert!(s.down_rest.is_empty() && s.up_rest.is_empty());
+        let mut got = vec![0u8; a.len()];
+        server.read_exact(&mut got).await.unwrap();
+        assert_eq!(got, a);
+        let mut got = [0u8; 6];
+        client.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"answer");
+    }
+
+    /// A destination that takes no more is not waited for: the rest is handed back, in
+    /// order, and nothing is lost.
+    #[tokio::test]
+    async fn settle_hands_back_what_it_cannot_write_at_once() {
+        let (mut client, down) = pair().await;
+        let (up, mut server) = pair().await;
+        // Small buffers on the way to the server, which does not read yet.
+        socket2::SockRef::from(&up)
+            .set_send_buffer_size(4096)
+            .unwrap();
+        socket2::SockRef::from(&server)
+            .set_recv_buffer_size(4096)
+            .unwrap();
+        let a: Vec<u8> = (0..300_000u32).map(|i| (i % 241) as u8).collect();
+        let writer = tokio::spawn(async move {
+            client.write_all(&a).await.unwrap();
+            (client, a)
+        });
+        queued_at_least(&down, 64 * 1024).await;
+        let s = settle(&down, &up).unwrap();
+        assert!(!s.down_rest.is_empty(), "the destination was full: {s:?}");
+        assert_eq!(s.u2d, 0);
+        // The written part, then the rest, then what the client sends later: the stream.
+        let mut got = vec![0u8; s.d2u as usize];
+        let (_client, a) = tokio::join!(server.read_exact(&mut got), writer);
+        let (_client, a) = a.unwrap();
+        drop(_client);
+        let rest_at = s.d2u as usize;
+        assert_eq!(got, a[..rest_at]);
+        assert_eq!(s.down_rest, a[rest_at..rest_at + s.down_rest.len()]);
     }
 }
