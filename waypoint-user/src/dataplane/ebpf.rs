@@ -128,6 +128,22 @@ impl Default for Config {
     }
 }
 
+/// How a connection's sockets enter the SockHash.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Entry {
+    /// Read everything queued on both sockets first and write it from userspace: the
+    /// safe way, whatever is queued (a partly read hello) and whether or not the verdict
+    /// can cut repeated bytes.
+    Drain,
+    /// For a connection moved from the copy, with the repeat check on: only the socket
+    /// with less queued goes in drained, first. The other goes in second, with its queue
+    /// as it is, and a kick runs the verdict over that queue at once: with its peer in
+    /// place and credit published, the queue is redirected in order, and the repeat
+    /// check cuts what the copy had read of its first segment. No byte of a steady sender
+    /// passes through userspace at the move.
+    Kick,
+}
+
 /// How the copy that starts a connection ended.
 enum Start {
     /// The connection ended in the copy.
@@ -361,7 +377,14 @@ impl Ebpf {
     ) -> Result<Outcome, Error> {
         if self.config.splice_after == 0 {
             return self
-                .splice(downstream, upstream, initial, Vec::new(), limits)
+                .splice(
+                    downstream,
+                    upstream,
+                    initial,
+                    Vec::new(),
+                    limits,
+                    Entry::Drain,
+                )
                 .await;
         }
         let start = Instant::now();
@@ -381,7 +404,29 @@ impl Ebpf {
                 .map(|l| l.saturating_sub(start.elapsed())),
             ..limits
         };
+        if self.repeat_check {
+            let mut outcome = self
+                .splice(
+                    downstream,
+                    upstream,
+                    Vec::new(),
+                    Vec::new(),
+                    limits,
+                    Entry::Kick,
+                )
+                .await?;
+            outcome.downstream_to_upstream += d2u;
+            outcome.upstream_to_downstream += u2d;
+            return Ok(outcome);
+        }
         let settled = settle(&downstream, &upstream)?;
+        debug!(
+            d2u = settled.d2u,
+            u2d = settled.u2d,
+            d2u_rest = settled.down_rest.len(),
+            u2d_rest = settled.up_rest.len(),
+            "settled before the move"
+        );
         let mut outcome = self
             .splice(
                 downstream,
@@ -389,6 +434,7 @@ impl Ebpf {
                 settled.down_rest,
                 settled.up_rest,
                 limits,
+                Entry::Drain,
             )
             .await?;
         outcome.downstream_to_upstream += d2u + settled.d2u;
@@ -463,6 +509,7 @@ impl Ebpf {
         mut down_initial: Vec<u8>,
         mut up_initial: Vec<u8>,
         limits: Limits,
+        entry: Entry,
     ) -> Result<Outcome, Error> {
         if let Some(size) = self.config.socket_buffer {
             for s in [&downstream, &upstream] {
@@ -480,14 +527,24 @@ impl Ebpf {
         let down_tcp = handed(&downstream)?;
         let up_tcp = handed(&upstream)?;
         let mut reg = Registration::new(self, down, up);
-        // The kernel runs a socket's queued segments through the verdict when the socket
-        // is inserted, but from the segment's start: bytes of a segment that userspace
-        // has already read in part (the router stops reading mid-segment after the
-        // ClientHello) would be delivered a second time. Reading everything queued now
-        // leaves no partly-read segment behind; what arrives later is whole. The drain
-        // comes last, right before the insertion, so that little can arrive in between.
-        let drained = drain_queued(&downstream, &mut down_initial)?
-            && drain_queued(&upstream, &mut up_initial)?;
+        // A segment that userspace has partly read (the router stops reading mid-segment
+        // after the ClientHello) would go through the verdict from its start, and its
+        // read part be delivered a second time. Reading everything queued now leaves no
+        // partly-read segment behind; what arrives later is whole. The drain comes last,
+        // right before the insertion, so that little can arrive in between. With `Kick`,
+        // only the socket that goes in first is drained (see [`Entry`]).
+        let down_first = match entry {
+            Entry::Drain => true,
+            Entry::Kick => queued(&downstream)? <= queued(&upstream)?,
+        };
+        let drained = match (entry, down_first) {
+            (Entry::Drain, _) => {
+                drain_queued(&downstream, &mut down_initial)?
+                    && drain_queued(&upstream, &mut up_initial)?
+            }
+            (Entry::Kick, true) => drain_queued(&downstream, &mut down_initial)?,
+            (Entry::Kick, false) => drain_queued(&upstream, &mut up_initial)?,
+        };
         // A direction with nothing to write first gets its credit before its socket goes
         // in, so that what arrives from now on is redirected, in order, instead of being
         // passed: once passed, a steady sender keeps the direction in userspace until
@@ -501,10 +558,14 @@ impl Ebpf {
         }
         let attached =
             if drained && down_tcp.state == TCP_ESTABLISHED && up_tcp.state == TCP_ESTABLISHED {
-                reg.attach((down, &downstream), (up, &upstream))
+                reg.attach((down, &downstream), (up, &upstream), down_first)
             } else {
                 None
             };
+        if attached.is_some() && entry == Entry::Kick {
+            // The insertion alone does not run the verdict over what is queued.
+            set_rcvlowat(if down_first { &upstream } else { &downstream })?;
+        }
         let Some((down_flow, up_flow)) = attached else {
             self.fallbacks.fetch_add(1, Relaxed);
             for i in 0..2 {
@@ -562,6 +623,13 @@ impl Ebpf {
         .await;
         // Stop the verdict first so the counters are final when read.
         reg.detach();
+        debug!(
+            d2u_redirected = redirected(down_flow),
+            d2u_user = d2u_user.load(Relaxed),
+            u2d_redirected = redirected(up_flow),
+            u2d_user = u2d_user.load(Relaxed),
+            "spliced connection ended"
+        );
         if end == End::Closed {
             // Both directions saw EOF and waited until dst's TCP held every byte before
             // passing the FIN on: the counts are exact, no need to ask TCP again.
@@ -669,16 +737,23 @@ impl<'a> Registration<'a> {
     /// Inserts both sockets, each under its peer's cookie, and returns the downstream's
     /// and the upstream's records. None when the connection must be served in userspace
     /// instead.
+    ///
+    /// Usually the downstream goes first (`down_first`): it is the socket a client may
+    /// have half-closed already. A socket inserted first has no peer in the SockHash
+    /// until the second is in, so what the verdict sees on it meanwhile is passed.
     fn attach(
         &mut self,
         down: (u64, &TcpStream),
         up: (u64, &TcpStream),
+        down_first: bool,
     ) -> Option<(&'a FlowCell, &'a FlowCell)> {
         let cells = self.flows.as_ref().map(|[d, u]| (d.cell(), u.cell()))?;
         let mut peers = lock(&self.dp.peers);
-        // The downstream first: it is the socket a client may have half-closed already.
-        // It goes in under the upstream's cookie, so `inserted[1]` marks key `up`.
-        for (i, key, sock) in [(1, up.0, down.1), (0, down.0, up.1)] {
+        // The downstream goes in under the upstream's cookie, so `inserted[1]` marks key
+        // `up`.
+        let (a, b) = ((1, up.0, down.1), (0, down.0, up.1));
+        let order = if down_first { [a, b] } else { [b, a] };
+        for (i, key, sock) in order {
             if let Err(e) = peers.insert(key, sock.as_fd(), 0) {
                 debug!(error = %map_error_chain(&e), "socket not inserted into the SockHash");
                 return None;
@@ -1134,6 +1209,41 @@ fn write_now(sock: &TcpStream, buf: &[u8]) -> usize {
     n
 }
 
+/// Bytes queued on `sock` for reading (FIONREAD).
+fn queued(sock: &TcpStream) -> io::Result<usize> {
+    let mut n: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one int through the pointer; the fd is open.
+    let rc = unsafe { libc::ioctl(sock.as_raw_fd(), libc::FIONREAD, &mut n) };
+    if rc == 0 {
+        Ok(usize::try_from(n).unwrap_or(0))
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Sets SO_RCVLOWAT to 1 (its default). The kernel then checks at once whether the socket
+/// has data to report (`tcp_set_rcvlowat` → `tcp_data_ready`), which runs the verdict on
+/// segments queued before the socket entered the SockHash; the insertion alone does not.
+fn set_rcvlowat(sock: &TcpStream) -> io::Result<()> {
+    let one: libc::c_int = 1;
+    // SAFETY: the fd is an open socket owned by `sock`; the option value is a c_int of
+    // the size given.
+    let rc = unsafe {
+        libc::setsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVLOWAT,
+            std::ptr::addr_of!(one).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
 /// `TCP_ESTABLISHED` from include/net/tcp_states.h.
 const TCP_ESTABLISHED: u8 = 1;
 
@@ -1238,7 +1348,7 @@ mod tests {
         let (up, mut server) = pair().await;
         let (dc, uc) = (cookie(&down).unwrap(), cookie(&up).unwrap());
         let mut reg = Registration::new(&dp, dc, uc);
-        let (down_flow, _) = reg.attach((dc, &down), (uc, &up)).expect("attached");
+        let (down_flow, _) = reg.attach((dc, &down), (uc, &up), true).expect("attached");
         down_flow.publish(Budget {
             credit: 1 << 20,
             consumed: 0,
@@ -1388,5 +1498,43 @@ mod tests {
         let rest_at = s.d2u as usize;
         assert_eq!(got, a[..rest_at]);
         assert_eq!(s.down_rest, a[rest_at..rest_at + s.down_rest.len()]);
+    }
+
+    /// What `Entry::Kick` relies on: bytes queued before the insertion, the first of them
+    /// already read, are redirected once SO_RCVLOWAT is set (the insertion alone leaves
+    /// them queued on 6.18), and the repeat check cuts what was read.
+    #[tokio::test]
+    async fn queued_bytes_are_redirected_at_insertion() {
+        let dp = Ebpf::load(Config {
+            splice_after: 0,
+            ..Config::default()
+        })
+        .unwrap();
+        let (mut client, down) = pair().await;
+        let (up, mut server) = pair().await;
+        client.write_all(b"queued bytes").await.unwrap();
+        queued_at_least(&down, 12).await;
+        let mut two = [0u8; 2];
+        assert_eq!(down.try_read(&mut two).unwrap(), 2);
+        let (dc, uc) = (cookie(&down).unwrap(), cookie(&up).unwrap());
+        let mut reg = Registration::new(&dp, dc, uc);
+        reg.set_credit(0, 1 << 20);
+        reg.set_credit(1, 1 << 20);
+        {
+            let mut peers = lock(&dp.peers);
+            peers.insert(dc, up.as_fd(), 0).unwrap();
+            reg.inserted[0] = true;
+            peers.insert(uc, down.as_fd(), 0).unwrap();
+            reg.inserted[1] = true;
+        }
+        set_rcvlowat(&down).unwrap();
+        let mut got = [0u8; 10];
+        tokio::time::timeout(Duration::from_secs(3), server.read_exact(&mut got))
+            .await
+            .expect("redirected at insertion")
+            .unwrap();
+        assert_eq!(&got, b"eued bytes");
+        assert_eq!(stat(&dp, Stat::Trimmed), 1);
+        drop(reg);
     }
 }
