@@ -705,8 +705,10 @@ struct Registration<'a> {
 
 impl<'a> Registration<'a> {
     /// Creates the flow records, with zero credit: until userspace has written the initial
-    /// bytes, every segment (including any already queued, which the kernel runs through
-    /// the verdict on insertion) is passed to userspace, never redirected or dropped.
+    /// bytes (or [`Registration::set_credit`] opens a direction), every segment, including
+    /// any still queued when the socket went in (the kernel runs those through the verdict
+    /// at the next data-ready, not at the insertion), is passed to userspace, never
+    /// redirected or dropped.
     fn new(dp: &'a Ebpf, down: u64, up: u64) -> Self {
         let flows = match (dp.flows.register(down), dp.flows.register(up)) {
             (Ok(d), Ok(u)) => Some([d, u]),
