@@ -61,9 +61,10 @@ impl Metrics {
             );
             registry.register(
                 "ebpf_connections",
-                "Connections that left the userspace copy they started in: moved into the \
-                 kernel after --splice-after bytes (moved), or copied to the end because \
-                 their sockets could not enter the SockHash (fallback)",
+                "eBPF connections by path: moved = carried --splice-after bytes in the \
+                 userspace copy and went on to enter the SockHash; fallback = could not \
+                 enter it (half-closed, maps full) and were copied to the end, moved ones \
+                 included",
                 ebpf_connections.clone(),
             );
         }

@@ -682,8 +682,9 @@ impl Ebpf {
         self.fallbacks.load(Relaxed)
     }
 
-    /// Connections moved into the kernel after the copy they started in carried
-    /// `splice_after` bytes. Connections that end below it are never counted.
+    /// Connections that carried `splice_after` bytes in the copy they started in and went
+    /// on to enter the SockHash. Those that then could not enter are counted in
+    /// [`Ebpf::fallbacks`] as well; connections that end below the threshold in neither.
     pub fn handovers(&self) -> u64 {
         self.handovers.load(Relaxed)
     }
