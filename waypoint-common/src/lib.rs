@@ -74,6 +74,15 @@ pub struct Flow {
     pub next_seq: u32,
     /// Kernel: 1 once `next_seq` is set.
     pub seq_known: u32,
+    /// Kernel: where a repeat that the verdict could not cut starts, as an offset in the
+    /// stream of `passed` bytes. Userspace drops `skip_len` bytes from there when it
+    /// reads them. Set at most once per socket, before the segment is passed, and never
+    /// changed after: userspace never sees half of an update.
+    pub skip_at: u64,
+    /// Kernel: length of that repeat; 0 while there is none.
+    pub skip_len: u32,
+    /// Explicit padding (the verifier rejects reads of uninitialised padding).
+    pub _pad: u32,
 }
 
 /// Indexes of the verdict program's per-CPU statistics.
@@ -96,13 +105,18 @@ pub enum Stat {
     Trimmed = 6,
     /// Segments made only of bytes already delivered, dropped.
     DroppedDuplicate = 7,
-    /// Segments with a repeated head that could not be cut (no memory to pull the
-    /// head, or longer than the program trims): forwarded as they are.
+    /// Segments with a repeated head that could not be cut and could not be handed to
+    /// userspace either (the socket's one skip record was used already): forwarded as
+    /// they are. Never expected; a counted defect, not a silent one.
     TrimFailed = 8,
+    /// Segments passed with a repeated head that the program could not cut (longer than
+    /// it trims in one pass, or no memory to pull the head): userspace drops the repeat
+    /// (see [`Flow::skip_at`]).
+    PassedRepeat = 9,
 }
 
 /// Number of entries in the statistics array.
-pub const STAT_COUNT: u32 = 9;
+pub const STAT_COUNT: u32 = 10;
 
 impl Stat {
     /// Every statistic, in index order.
@@ -116,6 +130,7 @@ impl Stat {
         Stat::Trimmed,
         Stat::DroppedDuplicate,
         Stat::TrimFailed,
+        Stat::PassedRepeat,
     ];
 
     /// A short label for metrics.
@@ -130,6 +145,7 @@ impl Stat {
             Stat::Trimmed => "trimmed",
             Stat::DroppedDuplicate => "dropped_duplicate",
             Stat::TrimFailed => "trim_failed",
+            Stat::PassedRepeat => "passed_repeat",
         }
     }
 }

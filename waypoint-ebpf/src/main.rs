@@ -58,9 +58,14 @@ static TCP_COPIED_SEQ_OFFSET: u32 = 0;
 
 /// `bpf_skb_adjust_room` removes at most 0xfff bytes per call.
 const TRIM_STEP: u32 = 0xfff;
-/// Calls per segment: a repeat longer than 64 × 4095 bytes (more than any GRO segment
-/// of a standard MTU) is left in place and counted as [`Stat::TrimFailed`].
-const TRIM_STEPS: u32 = 64;
+/// Calls per segment: 16 × 4095 bytes covers the overlap of a retransmitted segment
+/// (a GSO segment of a standard MTU). A longer repeat is not cut at all: every call pulls
+/// 4 KB more of the segment into its head, which the kernel re-allocates and copies each
+/// time, and no bound is long enough. The repeat at a socket's entry into the SockHash
+/// (what the userspace copy read of a queued segment) can be as long as a segment TCP
+/// coalesced in a queue nobody read: hundreds of KB. Those go to userspace instead, which
+/// drops the repeat (`Flow::skip_at`).
+const TRIM_STEPS: u32 = 16;
 
 #[stream_verdict]
 pub fn waypoint_verdict(ctx: SkBuffContext) -> u32 {
@@ -122,6 +127,13 @@ fn verdict(ctx: &SkBuffContext) -> u32 {
                 count(Stat::DroppedDuplicate);
                 return SK_DROP;
             }
+            Trim::Skip(kept) => {
+                // Userspace drops the repeat as it reads; from here on everything is
+                // passed until it has caught up, as after any pass.
+                flow.passed += u64::from(kept);
+                count(Stat::PassedRepeat);
+                return SK_PASS;
+            }
         }
     };
     // SAFETY: reads of fields of the valid record above. Userspace raises `consumed` and
@@ -165,6 +177,9 @@ enum Trim {
     Kept(u32),
     /// Every byte was a repeat, and all were cut: drop the empty segment.
     Whole,
+    /// The repeat could not be cut: pass the segment (this many bytes) to userspace,
+    /// which drops the repeat, as the socket's skip record says.
+    Skip(u32),
 }
 
 /// Cuts the bytes of this segment that lie below the socket's `next_seq` (already seen)
@@ -193,31 +208,43 @@ fn trim_repeat(ctx: &SkBuffContext, flow: &mut Flow, seq_offset: u32, len: u32) 
     let repeat = repeat as u32;
     let cut = repeat.min(len);
     let mut left = cut;
-    for _ in 0..TRIM_STEPS {
-        if left == 0 {
-            break;
+    if cut <= TRIM_STEPS * TRIM_STEP {
+        for _ in 0..TRIM_STEPS {
+            if left == 0 {
+                break;
+            }
+            let step = left.min(TRIM_STEP);
+            if ctx.adjust_room(-(step as i32), 0, 0).is_err() {
+                break;
+            }
+            left -= step;
         }
-        let step = left.min(TRIM_STEP);
-        if ctx.adjust_room(-(step as i32), 0, 0).is_err() {
-            break;
-        }
-        left -= step;
     }
     let removed = cut - left;
     flow.trimmed += u64::from(removed);
-    if left != 0 {
-        // The rest of the repeat goes on: duplicated bytes, counted, rather than a
-        // dropped segment whose new bytes would be lost.
-        count(Stat::TrimFailed);
-    } else if repeat >= len {
-        return Trim::Whole;
-    } else {
-        count(Stat::Trimmed);
-    }
     if repeat < len {
         flow.next_seq = seq.wrapping_add(len);
     }
-    Trim::Kept(len - removed)
+    let kept = len - removed;
+    if left == 0 {
+        if repeat >= len {
+            return Trim::Whole;
+        }
+        count(Stat::Trimmed);
+        return Trim::Kept(kept);
+    }
+    // The segment still starts with `left` repeated bytes.
+    if flow.skip_len == 0 {
+        // Once per socket: userspace reads the record without locks, so it is never
+        // changed once set (see `Flow::skip_at`).
+        flow.skip_at = flow.passed;
+        flow.skip_len = left;
+        return Trim::Skip(kept);
+    }
+    // Duplicated bytes, counted, rather than a dropped segment whose new bytes would be
+    // lost.
+    count(Stat::TrimFailed);
+    Trim::Kept(kept)
 }
 
 /// The socket's `copied_seq`, when the loader found its offset.

@@ -58,6 +58,9 @@ pub(super) struct FlowCell {
     trimmed: AtomicU64,
     /// `next_seq` and `seq_known`, which only the kernel uses.
     seq: AtomicU64,
+    skip_at: AtomicU64,
+    /// `skip_len` (the low half, little-endian) and padding.
+    skip_len: AtomicU64,
 }
 
 const _: () = {
@@ -69,6 +72,9 @@ const _: () = {
     assert!(offset_of!(FlowCell, passed) == offset_of!(Flow, passed));
     assert!(offset_of!(FlowCell, trimmed) == offset_of!(Flow, trimmed));
     assert!(offset_of!(FlowCell, seq) == offset_of!(Flow, next_seq));
+    assert!(offset_of!(FlowCell, skip_at) == offset_of!(Flow, skip_at));
+    assert!(offset_of!(FlowCell, skip_len) == offset_of!(Flow, skip_len));
+    assert!(cfg!(target_endian = "little"));
     // The kernel rounds an array's elements up to 8 bytes: no gap between records.
     assert!(size_of::<Flow>().is_multiple_of(8));
 };
@@ -101,6 +107,19 @@ impl FlowCell {
     #[cfg(test)]
     pub fn set_owner(&self, owner: u64) {
         self.owner.store(owner, Ordering::Release);
+    }
+
+    /// The passed bytes userspace must drop: a repeat the verdict could not cut, as a
+    /// range of offsets in the stream of passed bytes (empty while there is none). The
+    /// kernel sets it once, before it passes the segment that holds it, so it is in place
+    /// by the time userspace reads those bytes.
+    pub fn skip(&self) -> std::ops::Range<u64> {
+        let len = self.skip_len.load(Ordering::Acquire) & u64::from(u32::MAX);
+        if len == 0 {
+            return 0..0;
+        }
+        let at = self.skip_at.load(Ordering::Acquire);
+        at..at + len
     }
 
     pub fn counters(&self) -> Counters {
@@ -232,6 +251,8 @@ impl FlowTable {
             &cell.passed,
             &cell.trimmed,
             &cell.seq,
+            &cell.skip_at,
+            &cell.skip_len,
         ] {
             f.store(0, Ordering::Relaxed);
         }
