@@ -15,7 +15,6 @@ mod btf;
 pub mod copy;
 pub mod ebpf;
 mod flows;
-mod handover;
 mod send_buffer;
 pub mod splice;
 
@@ -26,6 +25,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use futures::future::{Either, TryFutureExt as _};
 use tokio::net::TcpStream;
 
 /// Which implementation moves the bytes.
@@ -148,17 +148,30 @@ impl Dataplane {
     ///
     /// `initial` holds bytes already read from downstream (the ClientHello): they are
     /// delivered to upstream first, before anything else from downstream.
-    pub async fn forward(
+    ///
+    /// Not an `async fn`: that would store the arguments once more in every connection's
+    /// task, on top of the chosen dataplane's future that holds them anyway.
+    pub fn forward(
         &self,
         downstream: TcpStream,
         upstream: TcpStream,
         initial: Vec<u8>,
         limits: Limits,
-    ) -> Result<Outcome, Error> {
+    ) -> impl Future<Output = Result<Outcome, Error>> + Send + '_ {
         match self {
-            Dataplane::Ebpf(d) => Ok(d.forward(downstream, upstream, initial, limits).await?),
-            Dataplane::Splice(d) => Ok(d.forward(downstream, upstream, initial, limits).await?),
-            Dataplane::Copy(d) => Ok(d.forward(downstream, upstream, initial, limits).await?),
+            Dataplane::Ebpf(d) => Either::Left(
+                d.forward(downstream, upstream, initial, limits)
+                    .map_err(Error::from),
+            ),
+            // Boxed: its state (two pumps with pipes, 1.4 KB) would otherwise size every
+            // connection's task, whichever dataplane runs.
+            Dataplane::Splice(d) => Either::Right(Either::Left(
+                Box::pin(d.forward(downstream, upstream, initial, limits)).map_err(Error::from),
+            )),
+            Dataplane::Copy(d) => Either::Right(Either::Right(
+                d.forward(downstream, upstream, initial, limits)
+                    .map_err(Error::from),
+            )),
         }
     }
 }

@@ -12,6 +12,7 @@ pub mod route;
 
 use std::{
     collections::HashMap,
+    future::Future,
     net::SocketAddr,
     sync::{
         atomic::{AtomicUsize, Ordering},
@@ -250,92 +251,100 @@ impl Router {
             // Taken here, not in the task, so a burst of accepts cannot overshoot the
             // limit before the tasks run.
             let pending = Slot::take(&self.pending, &self.metrics.pending);
-            tracker.spawn(
-                async move {
-                    router.handle(stream, peer, pending, kill).await;
-                }
-                .instrument(span),
-            );
+            tracker.spawn(router.handle(stream, peer, pending, kill).instrument(span));
         }
         info!("tunnel listener stopped accepting");
     }
 
-    async fn handle(
-        &self,
-        down: TcpStream,
+    /// One connection, from the hello to the close. Takes the router by `Arc` and is
+    /// spawned as is: a wrapping `async move` block would store the arguments a second
+    /// time in every connection's task.
+    fn handle(
+        self: Arc<Self>,
+        mut down: TcpStream,
         peer: SocketAddr,
         pending: Slot,
         kill: CancellationToken,
-    ) {
-        let started = Instant::now();
-        let mut down = down;
-        let mut buf = BytesMut::with_capacity(2048);
-        let routed = tokio::select! {
-            r = self.route(&mut down, &mut buf) => r,
-            _ = kill.cancelled() => return,
-        };
-        // The lease counts this pod's connections for balancing until the end.
-        let (up, _lease) = match routed {
-            Ok(routed) => routed,
-            Err(reject) => {
-                let reason = reject.reason();
-                self.metrics.reject(reason);
-                self.log.log(reason, peer, &reject);
-                return;
-            }
-        };
-        drop(pending);
-        let _active = Slot::take(&self.active, &self.metrics.active);
-        self.metrics
-            .handshake
-            .observe(started.elapsed().as_secs_f64());
-        self.metrics.opened.inc();
-        // Latency matters more than packet count for request/response traffic; the
-        // dataplanes write in large chunks anyway.
-        let _ = down.set_nodelay(true);
-        let _ = up.set_nodelay(true);
+    ) -> impl Future<Output = ()> + Send {
+        let router = self;
+        // An `async move` block, not an `async fn`: the latter stores every argument
+        // twice in its state (once as passed, once as the body's binding).
+        async move {
+            let started = Instant::now();
+            let mut buf = BytesMut::with_capacity(2048);
+            // Boxed: inline, the hello and connect state (about 700 B) would size the task
+            // for the connection's whole life.
+            // The lease counts this pod's connections for balancing until the end.
+            let (up, _lease) = match tokio::select! {
+                r = Box::pin(router.route(&mut down, &mut buf)) => r,
+                _ = kill.cancelled() => return,
+            } {
+                Ok(routed) => routed,
+                Err(reject) => {
+                    let reason = reject.reason();
+                    router.metrics.reject(reason);
+                    router.log.log(reason, peer, &reject);
+                    return;
+                }
+            };
+            drop(pending);
+            let _active = Slot::take(&router.active, &router.metrics.active);
+            router
+                .metrics
+                .handshake
+                .observe(started.elapsed().as_secs_f64());
+            router.metrics.opened.inc();
+            // Latency matters more than packet count for request/response traffic; the
+            // dataplanes write in large chunks anyway.
+            let _ = down.set_nodelay(true);
+            let _ = up.set_nodelay(true);
 
-        let outcome = tokio::select! {
-            r = self.dataplane.forward(down, up, Vec::from(buf), self.config.limits) => r,
-            _ = kill.cancelled() => {
-                self.metrics.closed.get_or_create(&metrics::EndLabel { end: "drain_deadline" }).inc();
-                debug!("closed at the drain deadline");
-                return;
-            }
-        };
-        match outcome {
-            Ok(o) => {
-                self.metrics
-                    .closed
-                    .get_or_create(&metrics::EndLabel {
-                        end: o.end.as_str(),
-                    })
-                    .inc();
-                self.metrics
-                    .bytes
-                    .get_or_create(&metrics::DirectionLabel {
-                        direction: "downstream_to_upstream",
-                    })
-                    .inc_by(o.downstream_to_upstream);
-                self.metrics
-                    .bytes
-                    .get_or_create(&metrics::DirectionLabel {
-                        direction: "upstream_to_downstream",
-                    })
-                    .inc_by(o.upstream_to_downstream);
-                debug!(
-                    end = o.end.as_str(),
-                    down_to_up = o.downstream_to_upstream,
-                    up_to_down = o.upstream_to_downstream,
-                    "connection closed"
-                );
-            }
-            Err(e) => {
-                self.metrics
-                    .closed
-                    .get_or_create(&metrics::EndLabel { end: "setup_error" })
-                    .inc();
-                warn!(error = %e, "dataplane could not take the connection");
+            let outcome = tokio::select! {
+                r = router.dataplane.forward(down, up, Vec::from(buf), router.config.limits) => r,
+                _ = kill.cancelled() => {
+                    router.metrics.closed.get_or_create(&metrics::EndLabel { end: "drain_deadline" }).inc();
+                    debug!("closed at the drain deadline");
+                    return;
+                }
+            };
+            match outcome {
+                Ok(o) => {
+                    router
+                        .metrics
+                        .closed
+                        .get_or_create(&metrics::EndLabel {
+                            end: o.end.as_str(),
+                        })
+                        .inc();
+                    router
+                        .metrics
+                        .bytes
+                        .get_or_create(&metrics::DirectionLabel {
+                            direction: "downstream_to_upstream",
+                        })
+                        .inc_by(o.downstream_to_upstream);
+                    router
+                        .metrics
+                        .bytes
+                        .get_or_create(&metrics::DirectionLabel {
+                            direction: "upstream_to_downstream",
+                        })
+                        .inc_by(o.upstream_to_downstream);
+                    debug!(
+                        end = o.end.as_str(),
+                        down_to_up = o.downstream_to_upstream,
+                        up_to_down = o.upstream_to_downstream,
+                        "connection closed"
+                    );
+                }
+                Err(e) => {
+                    router
+                        .metrics
+                        .closed
+                        .get_or_create(&metrics::EndLabel { end: "setup_error" })
+                        .inc();
+                    warn!(error = %e, "dataplane could not take the connection");
+                }
             }
         }
     }

@@ -20,6 +20,7 @@
 //! that order so that the sum never overstates what TCP holds.
 
 use std::{
+    future::Future,
     io,
     os::fd::{AsFd, AsRawFd},
     pin::pin,
@@ -47,10 +48,8 @@ use super::flows::{self, Budget, FlowCell, FlowRef, FlowTable};
 use super::send_buffer::DrainProbe;
 use super::{
     btf, classify_read_error, classify_write_error,
-    copy::{pump, write_all},
-    drive,
-    handover::{Gate, Handover, Side},
-    shutdown_write, DirEnd, End, Limits, Outcome,
+    copy::{write_all, Copier, Stop},
+    drive, shutdown_write, DirEnd, End, Limits, Outcome,
 };
 
 /// The eBPF object built by waypoint-user's build script from waypoint-ebpf.
@@ -142,14 +141,6 @@ enum Entry {
     /// check cuts what the copy had read of its first segment. No byte of a steady sender
     /// passes through userspace at the move.
     Kick,
-}
-
-/// How the copy that starts a connection ended.
-enum Start {
-    /// The connection ended in the copy.
-    Ended(Outcome),
-    /// Both pumps parked: the connection moves into the kernel. Bytes copied so far.
-    Moved { d2u: u64, u2d: u64 },
 }
 
 /// Errors of the eBPF dataplane.
@@ -368,133 +359,95 @@ impl Ebpf {
     }
 
     /// See [`super::Dataplane::forward`].
-    pub async fn forward(
+    ///
+    /// The kernel phase ([`Ebpf::splice`], about 2.1 KB of state) is boxed: inline, it
+    /// would size every connection's task, and most connections (short or idle ones)
+    /// never leave the copy.
+    #[allow(
+        clippy::manual_async_fn,
+        reason = "an `async fn` stores its arguments twice"
+    )]
+    pub fn forward(
         &self,
         downstream: TcpStream,
         upstream: TcpStream,
         initial: Vec<u8>,
         limits: Limits,
-    ) -> Result<Outcome, Error> {
-        if self.config.splice_after == 0 {
-            return self
-                .splice(
+    ) -> impl Future<Output = Result<Outcome, Error>> + Send + '_ {
+        // An `async move` block, not an `async fn`: the latter stores every argument
+        // twice in its state (as passed, and as the body's binding).
+        async move {
+            if self.config.splice_after == 0 {
+                return Box::pin(self.splice(
                     downstream,
                     upstream,
                     initial,
                     Vec::new(),
                     limits,
                     Entry::Drain,
-                )
+                ))
                 .await;
-        }
-        let start = Instant::now();
-        let (d2u, u2d) = match self
-            .copy_first(&downstream, &upstream, initial, limits)
-            .await?
-        {
-            Start::Ended(outcome) => return Ok(outcome),
-            Start::Moved { d2u, u2d } => (d2u, u2d),
-        };
-        self.handovers.fetch_add(1, Relaxed);
-        trace!(d2u, u2d, "moving the connection into the kernel");
-        // The lifetime counts from the accept, not from the move.
-        let limits = Limits {
-            max_lifetime: limits
-                .max_lifetime
-                .map(|l| l.saturating_sub(start.elapsed())),
-            ..limits
-        };
-        if self.repeat_check {
-            let mut outcome = self
-                .splice(
+            }
+            let start = Instant::now();
+            // The copy first (see [`Copier`]): awaited here, not in a helper `async fn`,
+            // which would store the sockets and limits once more in the connection's task.
+            // Dropped at the move: its timer and its heap buffers go with it.
+            let (d2u, u2d) = {
+                let mut copier = pin!(Copier::new(
+                    &downstream,
+                    &upstream,
+                    initial,
+                    limits,
+                    self.config.splice_after
+                ));
+                match copier.as_mut().await {
+                    Stop::Ended(end) => return Ok(copier.outcome(end)),
+                    Stop::Move => copier.moved(),
+                }
+            };
+            self.handovers.fetch_add(1, Relaxed);
+            trace!(d2u, u2d, "moving the connection into the kernel");
+            // The lifetime counts from the accept, not from the move.
+            let limits = Limits {
+                max_lifetime: limits
+                    .max_lifetime
+                    .map(|l| l.saturating_sub(start.elapsed())),
+                ..limits
+            };
+            if self.repeat_check {
+                let mut outcome = Box::pin(self.splice(
                     downstream,
                     upstream,
                     Vec::new(),
                     Vec::new(),
                     limits,
                     Entry::Kick,
-                )
+                ))
                 .await?;
-            outcome.downstream_to_upstream += d2u;
-            outcome.upstream_to_downstream += u2d;
-            return Ok(outcome);
-        }
-        let settled = settle(&downstream, &upstream)?;
-        debug!(
-            d2u = settled.d2u,
-            u2d = settled.u2d,
-            d2u_rest = settled.down_rest.len(),
-            u2d_rest = settled.up_rest.len(),
-            "settled before the move"
-        );
-        let mut outcome = self
-            .splice(
+                outcome.downstream_to_upstream += d2u;
+                outcome.upstream_to_downstream += u2d;
+                return Ok(outcome);
+            }
+            let settled = settle(&downstream, &upstream)?;
+            debug!(
+                d2u = settled.d2u,
+                u2d = settled.u2d,
+                d2u_rest = settled.down_rest.len(),
+                u2d_rest = settled.up_rest.len(),
+                "settled before the move"
+            );
+            let mut outcome = Box::pin(self.splice(
                 downstream,
                 upstream,
                 settled.down_rest,
                 settled.up_rest,
                 limits,
                 Entry::Drain,
-            )
+            ))
             .await?;
-        outcome.downstream_to_upstream += d2u + settled.d2u;
-        outcome.upstream_to_downstream += u2d + settled.u2d;
-        Ok(outcome)
-    }
-
-    /// Copies in userspace until the connection has carried `splice_after` bytes and
-    /// both pumps parked (see `dataplane/handover.rs`), or until it ends.
-    async fn copy_first(
-        &self,
-        downstream: &TcpStream,
-        upstream: &TcpStream,
-        initial: Vec<u8>,
-        limits: Limits,
-    ) -> Result<Start, Error> {
-        let handover = Handover::new(self.config.splice_after);
-        let d2u = AtomicU64::new(0);
-        let u2d = AtomicU64::new(0);
-        let down_to_up = pin!(async {
-            if let Err(e) = write_all(upstream, &initial).await {
-                return classify_write_error(e);
-            }
-            d2u.fetch_add(initial.len() as u64, Relaxed);
-            handover.moved(initial.len());
-            drop(initial);
-            pump(
-                downstream,
-                upstream,
-                &d2u,
-                Gate {
-                    handover: &handover,
-                    side: Side::Down,
-                },
-            )
-            .await
-        });
-        let up_to_down = pin!(pump(
-            upstream,
-            downstream,
-            &u2d,
-            Gate {
-                handover: &handover,
-                side: Side::Up,
-            },
-        ));
-        let driven = drive(downstream, upstream, limits, down_to_up, up_to_down, || {
-            d2u.load(Relaxed) + u2d.load(Relaxed)
-        });
-        tokio::select! {
-            biased;
-            () = handover.both_parked() => Ok(Start::Moved {
-                d2u: d2u.load(Relaxed),
-                u2d: u2d.load(Relaxed),
-            }),
-            end = driven => Ok(Start::Ended(Outcome {
-                downstream_to_upstream: d2u.load(Relaxed),
-                upstream_to_downstream: u2d.load(Relaxed),
-                end,
-            })),
+            outcome.downstream_to_upstream += d2u + settled.d2u;
+            outcome.upstream_to_downstream += u2d + settled.u2d;
+            Ok(outcome)
         }
     }
 
