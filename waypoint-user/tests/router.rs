@@ -25,6 +25,14 @@ fn hello_for(sni: &str) -> Vec<u8> {
 async fn echo_through(tunnel: std::net::SocketAddr, hello: &[u8], payload: &[u8]) {
     let mut c = TcpStream::connect(tunnel).await.unwrap();
     c.write_all(hello).await.unwrap();
+    let mut want = hello.to_vec();
+    want.extend_from_slice(payload);
+    expect_echo(c, payload, &want).await;
+}
+
+/// Sends `payload` on `c` and closes its write side, while reading to the end: expects
+/// exactly `want` back.
+async fn expect_echo(c: TcpStream, payload: &[u8], want: &[u8]) {
     let (mut r, mut w) = c.into_split();
     let send = async {
         w.write_all(payload).await.unwrap();
@@ -38,8 +46,6 @@ async fn echo_through(tunnel: std::net::SocketAddr, hello: &[u8], payload: &[u8]
     let ((), got) = tokio::time::timeout(WAIT, async { tokio::join!(send, recv) })
         .await
         .expect("echo through the waypoint finished");
-    let mut want = hello.to_vec();
-    want.extend_from_slice(payload);
     assert_eq!(got.len(), want.len(), "byte count through the waypoint");
     assert!(got == want, "bytes through the waypoint are unchanged");
 }
@@ -57,21 +63,7 @@ async fn echo_after_a_pause(tunnel: std::net::SocketAddr, hello: &[u8], first: &
         .expect("the first part echoed")
         .unwrap();
     assert!(got == want, "bytes through the waypoint are unchanged");
-    let (mut r, mut w) = c.into_split();
-    let send = async {
-        w.write_all(then).await.unwrap();
-        w.shutdown().await.unwrap();
-    };
-    let recv = async {
-        let mut got = Vec::new();
-        r.read_to_end(&mut got).await.unwrap();
-        got
-    };
-    let ((), got) = tokio::time::timeout(WAIT, async { tokio::join!(send, recv) })
-        .await
-        .expect("echo through the waypoint finished");
-    assert_eq!(got.len(), then.len(), "byte count through the waypoint");
-    assert!(got == then, "bytes through the waypoint are unchanged");
+    expect_echo(c, then, then).await;
 }
 
 /// Expects the daemon to close the connection (EOF or reset) within `WAIT`.
