@@ -316,20 +316,16 @@ impl Router {
                             end: o.end.as_str(),
                         })
                         .inc();
-                    router
-                        .metrics
-                        .bytes
-                        .get_or_create(&metrics::DirectionLabel {
-                            direction: "downstream_to_upstream",
-                        })
-                        .inc_by(o.downstream_to_upstream);
-                    router
-                        .metrics
-                        .bytes
-                        .get_or_create(&metrics::DirectionLabel {
-                            direction: "upstream_to_downstream",
-                        })
-                        .inc_by(o.upstream_to_downstream);
+                    for (direction, n) in [
+                        ("downstream_to_upstream", o.downstream_to_upstream),
+                        ("upstream_to_downstream", o.upstream_to_downstream),
+                    ] {
+                        router
+                            .metrics
+                            .bytes
+                            .get_or_create(&metrics::DirectionLabel { direction })
+                            .inc_by(n);
+                    }
                     debug!(
                         end = o.end.as_str(),
                         down_to_up = o.downstream_to_upstream,
