@@ -1301,6 +1301,15 @@ mod tests {
 
     use super::*;
 
+    /// The eBPF dataplane with every connection in the SockHash from its first byte.
+    fn kernel_from_the_first_byte() -> Ebpf {
+        Ebpf::load(Config {
+            splice_after: 0,
+            ..Config::default()
+        })
+        .unwrap()
+    }
+
     async fn pair() -> (TcpStream, TcpStream) {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let a = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
@@ -1484,11 +1493,7 @@ mod tests {
     /// them queued on 6.18), and the repeat check cuts what was read.
     #[tokio::test]
     async fn queued_bytes_are_redirected_at_insertion() {
-        let dp = Ebpf::load(Config {
-            splice_after: 0,
-            ..Config::default()
-        })
-        .unwrap();
+        let dp = kernel_from_the_first_byte();
         let (mut client, down) = pair().await;
         let (up, mut server) = pair().await;
         client.write_all(b"queued bytes").await.unwrap();
@@ -1539,11 +1544,7 @@ mod tests {
     async fn a_long_repeat_at_the_move_is_dropped_in_userspace() {
         const SENT: usize = 2 << 20;
         const READ: usize = 400_000;
-        let dp = Ebpf::load(Config {
-            splice_after: 0,
-            ..Config::default()
-        })
-        .unwrap();
+        let dp = kernel_from_the_first_byte();
         let (mut client, down) = pair().await;
         let (up, mut server) = pair().await;
         socket2::SockRef::from(&down)
