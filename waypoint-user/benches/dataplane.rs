@@ -328,6 +328,7 @@ fn start_proxy(
     dp: Arc<Dataplane>,
     target: SocketAddr,
     counters: Arc<ProxyCounters>,
+    limits: Limits,
 ) -> SocketAddr {
     let std_listener = StdListener::bind("127.0.0.1:0").expect("bind proxy");
     let addr = std_listener.local_addr().expect("proxy addr");
@@ -349,7 +350,7 @@ fn start_proxy(
                     let up = tokio::net::TcpStream::connect(target).await?;
                     down.set_nodelay(true)?;
                     up.set_nodelay(true)?;
-                    dp.forward(down, up, hello.to_vec(), Limits::default())
+                    dp.forward(down, up, hello.to_vec(), limits)
                         .await
                         .map_err(io::Error::other)
                 }
@@ -412,6 +413,8 @@ struct Variant {
     counters: Arc<ProxyCounters>,
     bulk: [Vec<BulkSample>; 2],
     ping: Vec<PingSample>,
+    /// Round trips after an idle pause (p50 µs per repetition).
+    wake: Vec<f64>,
 }
 
 impl Variant {
@@ -657,6 +660,33 @@ fn ping_pong(v: &Variant, s: &Settings) -> PingSample {
     }
 }
 
+/// Round trips after an idle pause: long enough for the copy to park the connection
+/// (`--park-after` 100 ms), so what the wake costs shows.
+const IDLE_PAUSE: Duration = Duration::from_millis(300);
+const WAKES: usize = 10;
+
+/// p50 of `WAKES` 64-byte round trips on one fresh connection, each after `IDLE_PAUSE`.
+fn after_idle(v: &Variant) -> f64 {
+    let mut c = connect(v.echo_addr, false);
+    let msg = [0x42_u8; PING_LEN];
+    let mut back = [0u8; PING_LEN];
+    let mut rtt_ns = Vec::with_capacity(WAKES);
+    for _ in 0..WAKES {
+        thread::sleep(IDLE_PAUSE);
+        let t = Instant::now();
+        c.write_all(&msg).expect("ping write");
+        c.read_exact(&mut back).expect("pong read");
+        rtt_ns.push(t.elapsed().as_nanos() as u64);
+    }
+    let _ = c.shutdown(Shutdown::Write);
+    let mut scratch = [0u8; 64];
+    while let Ok(1..) = c.read(&mut scratch) {}
+    drop(c);
+    v.settle();
+    rtt_ns.sort_unstable();
+    rtt_ns[rtt_ns.len() / 2] as f64 / 1e3
+}
+
 // ---------------------------------------------------------------------------------------
 // Summaries.
 
@@ -742,7 +772,7 @@ fn main() {
     let ebpf_dp = |config: ebpf::Config| {
         let dp = ebpf::Ebpf::load(config)
             .expect("loading the eBPF dataplane (run as root on a sockmap kernel)");
-        Some(Arc::new(Dataplane::Ebpf(Box::new(dp))))
+        Some(Arc::new(Dataplane::Ebpf(Arc::new(dp))))
     };
     let candidates = [
         "direct",
@@ -752,6 +782,7 @@ fn main() {
         "ebpf-both16m",
         "splice",
         "copy",
+        "copy-nopark",
     ];
     let wanted = |name: &str| s.only.as_ref().is_none_or(|o| o.iter().any(|w| w == name));
     let mut variants: Vec<Variant> = Vec::new();
@@ -776,15 +807,23 @@ fn main() {
                 ..Default::default()
             }),
             "splice" => Some(Arc::new(Dataplane::Splice(Splice::default()))),
-            "copy" => Some(Arc::new(Dataplane::Copy(Copy))),
+            "copy" | "copy-nopark" => Some(Arc::new(Dataplane::Copy(Copy))),
             _ => unreachable!("listed above"),
+        };
+        let limits = Limits {
+            park_after: if name.ends_with("-nopark") {
+                None
+            } else {
+                Limits::default().park_after
+            },
+            ..Limits::default()
         };
         let counters = Arc::new(ProxyCounters::default());
         let (bulk_addr, echo_addr) = match &dp {
             None => (sink.addr, echo),
             Some(dp) => (
-                start_proxy(&rt, dp.clone(), sink.addr, counters.clone()),
-                start_proxy(&rt, dp.clone(), echo, counters.clone()),
+                start_proxy(&rt, dp.clone(), sink.addr, counters.clone(), limits),
+                start_proxy(&rt, dp.clone(), echo, counters.clone(), limits),
             ),
         };
         variants.push(Variant {
@@ -795,6 +834,7 @@ fn main() {
             counters,
             bulk: [Vec::new(), Vec::new()],
             ping: Vec::new(),
+            wake: Vec::new(),
         });
     }
 
@@ -828,13 +868,20 @@ fn main() {
                 eprintln!("{:>26} {}", "", stats_line(d));
             }
             v.ping.push(p);
+            let w = after_idle(v);
+            eprintln!(
+                "[rep {rep}] {:<16} after {} ms idle: p50 {w:.1} µs ({WAKES} round trips)",
+                v.name,
+                IDLE_PAUSE.as_millis()
+            );
+            v.wake.push(w);
         }
     }
     let (load1_after, load_after) = loadavg();
 
     // Results.
-    println!("| dataplane | 1-stream Gbit/s | 8-stream Gbit/s | p50 µs | p99 µs | CPU s/GB 1-stream | CPU s/GB 8-stream |");
-    println!("|---|---|---|---|---|---|---|");
+    println!("| dataplane | 1-stream Gbit/s | 8-stream Gbit/s | p50 µs | p99 µs | after {} ms idle, p50 µs | CPU s/GB 1-stream | CPU s/GB 8-stream |", IDLE_PAUSE.as_millis());
+    println!("|---|---|---|---|---|---|---|---|");
     for v in &variants {
         let g = |i: usize| v.bulk[i].iter().map(BulkSample::gbps).collect::<Vec<_>>();
         let c = |i: usize| {
@@ -844,12 +891,13 @@ fn main() {
                 .collect::<Vec<_>>()
         };
         println!(
-            "| {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} |",
             v.name,
             cell(g(0), 1),
             cell(g(1), 1),
             cell(v.ping.iter().map(|p| p.p50_us).collect(), 0),
             cell(v.ping.iter().map(|p| p.p99_us).collect(), 0),
+            cell(v.wake.clone(), 0),
             cell(c(0), 2),
             cell(c(1), 2),
         );
@@ -952,6 +1000,7 @@ fn main() {
                     "p99_us": summary_json(v.ping.iter().map(|p| p.p99_us).collect()),
                     "runs": v.ping.iter().map(PingSample::json).collect::<Vec<_>>(),
                 },
+                "after_idle_p50_us": summary_json(v.wake.clone()),
                 "connections_not_closed": v.counters.not_closed.load(Relaxed),
                 "connections_failed": v.counters.errors.load(Relaxed),
             })).collect::<Vec<_>>(),

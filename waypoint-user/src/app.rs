@@ -24,13 +24,13 @@ use crate::{
 pub fn choose_dataplane(config: &Config) -> anyhow::Result<Dataplane> {
     let splice = || Splice::new(usize::try_from(config.pipe_size).unwrap_or(usize::MAX));
     let dp = match config.dataplane {
-        Kind::Ebpf => Dataplane::Ebpf(Box::new(
+        Kind::Ebpf => Dataplane::Ebpf(Arc::new(
             Ebpf::load(config.ebpf()).context("--dataplane=ebpf was asked for")?,
         )),
         Kind::Splice => Dataplane::Splice(splice()),
         Kind::Copy => Dataplane::Copy(Copy),
         Kind::Auto => match Ebpf::load(config.ebpf()) {
-            Ok(e) => Dataplane::Ebpf(Box::new(e)),
+            Ok(e) => Dataplane::Ebpf(Arc::new(e)),
             Err(e) => {
                 warn!(error = %e, "eBPF dataplane unavailable; falling back to splice");
                 Dataplane::Splice(splice())
@@ -42,6 +42,10 @@ pub fn choose_dataplane(config: &Config) -> anyhow::Result<Dataplane> {
         requested = config.dataplane.as_str(),
         "dataplane chosen"
     );
+    if !config.park_after.is_zero() && dp.kind() != Kind::Splice {
+        // Its failure is logged; connections then stay in tokio while idle.
+        crate::dataplane::start_parking();
+    }
     Ok(dp)
 }
 

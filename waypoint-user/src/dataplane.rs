@@ -15,6 +15,7 @@ mod btf;
 pub mod copy;
 pub mod ebpf;
 mod flows;
+mod park;
 mod send_buffer;
 pub mod splice;
 
@@ -60,13 +61,20 @@ pub struct Limits {
     pub idle_timeout: Duration,
     /// Close a connection this long after it started, whatever it is doing (None: never).
     pub max_lifetime: Option<Duration>,
+    /// Park a connection in the copy (the copy dataplane, or the eBPF dataplane before
+    /// `--splice-after`) once no byte moved for this long (None: never). See [`park`].
+    pub park_after: Option<Duration>,
 }
+
+/// Default for [`Limits::park_after`].
+pub const DEFAULT_PARK_AFTER: Duration = Duration::from_millis(100);
 
 impl Default for Limits {
     fn default() -> Self {
         Limits {
             idle_timeout: Duration::from_secs(3600),
             max_lifetime: None,
+            park_after: Some(DEFAULT_PARK_AFTER),
         }
     }
 }
@@ -124,10 +132,40 @@ pub enum Error {
     Io(#[from] io::Error),
 }
 
+/// Idle connections parked outside tokio (see [`park`]), process-wide.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Parking {
+    /// Parked now.
+    pub parked: usize,
+    /// Parkings so far.
+    pub parks: u64,
+    /// Parkings that failed (the connection stayed in tokio; logged at debug).
+    pub failures: u64,
+}
+
+/// Starts the process's parker (an epoll set, an eventfd and a thread) now, rather than
+/// at the first idle connection, so that its descriptors are there from the start.
+/// False if it cannot start: then no connection is parked (logged).
+pub fn start_parking() -> bool {
+    park::Parker::get().is_some()
+}
+
+/// The parked connections' counts; all zero before the first parking.
+pub fn parking() -> Parking {
+    park::Parker::started().map_or_else(Parking::default, |p| {
+        let (parked, parks, failures) = p.counts();
+        Parking {
+            parked,
+            parks,
+            failures,
+        }
+    })
+}
+
 /// The dataplane chosen at start.
 pub enum Dataplane {
     /// See [`ebpf`].
-    Ebpf(Box<ebpf::Ebpf>),
+    Ebpf(std::sync::Arc<ebpf::Ebpf>),
     /// See [`splice`].
     Splice(splice::Splice),
     /// See [`copy`].
@@ -150,14 +188,16 @@ impl Dataplane {
     /// delivered to upstream first, before anything else from downstream.
     ///
     /// Not an `async fn`: that would store the arguments once more in every connection's
-    /// task, on top of the chosen dataplane's future that holds them anyway.
+    /// task, on top of the chosen dataplane's future that holds them anyway. The future
+    /// borrows nothing, so a connection's task can hold it without an `async` block
+    /// (which would keep the arguments it moved into it for the connection's life).
     pub fn forward(
         &self,
         downstream: TcpStream,
         upstream: TcpStream,
         initial: Vec<u8>,
         limits: Limits,
-    ) -> impl Future<Output = Result<Outcome, Error>> + Send + '_ {
+    ) -> impl Future<Output = Result<Outcome, Error>> + Send + 'static {
         match self {
             Dataplane::Ebpf(d) => Either::Left(
                 d.forward(downstream, upstream, initial, limits)
@@ -165,9 +205,13 @@ impl Dataplane {
             ),
             // Boxed: its state (two pumps with pipes, 1.4 KB) would otherwise size every
             // connection's task, whichever dataplane runs.
-            Dataplane::Splice(d) => Either::Right(Either::Left(
-                Box::pin(d.forward(downstream, upstream, initial, limits)).map_err(Error::from),
-            )),
+            Dataplane::Splice(d) => {
+                let d = d.clone();
+                Either::Right(Either::Left(
+                    Box::pin(async move { d.forward(downstream, upstream, initial, limits).await })
+                        .map_err(Error::from),
+                ))
+            }
             Dataplane::Copy(d) => Either::Right(Either::Right(
                 d.forward(downstream, upstream, initial, limits)
                     .map_err(Error::from),

@@ -35,6 +35,11 @@ pub struct Metrics {
     // Last totals read from the dataplane, to turn them into counter increments: the
     // verdict's statistics, then the connections moved and fallen back.
     ebpf_seen: Mutex<Vec<u64>>,
+    parked: Gauge,
+    parks: Counter,
+    park_failures: Counter,
+    // Last parking totals read, as `ebpf_seen`.
+    parks_seen: Mutex<Vec<u64>>,
 }
 
 impl Metrics {
@@ -68,12 +73,34 @@ impl Metrics {
                 ebpf_connections.clone(),
             );
         }
+        let parked = Gauge::default();
+        registry.register(
+            "connections_parked",
+            "Idle connections parked outside tokio's reactor now (see --park-after)",
+            parked.clone(),
+        );
+        let parks = Counter::default();
+        registry.register(
+            "connection_parks",
+            "Times an idle connection was parked",
+            parks.clone(),
+        );
+        let park_failures = Counter::default();
+        registry.register(
+            "connection_park_failures",
+            "Times an idle connection could not be parked and stayed in tokio",
+            park_failures.clone(),
+        );
         Metrics {
             registry,
             dataplane,
             ebpf_segments,
             ebpf_connections,
             ebpf_seen: Mutex::new(Vec::new()),
+            parked,
+            parks,
+            park_failures,
+            parks_seen: Mutex::new(Vec::new()),
         }
     }
 
@@ -99,6 +126,13 @@ impl Metrics {
                 let counter = self.ebpf_connections.get_or_create(&PathLabel { path });
                 inc_to(&counter, &mut seen, n + j, total);
             }
+        }
+        let p = crate::dataplane::parking();
+        self.parked.set(i64::try_from(p.parked).unwrap_or(i64::MAX));
+        {
+            let mut seen = self.parks_seen.lock().unwrap_or_else(|p| p.into_inner());
+            inc_to(&self.parks, &mut seen, 0, p.parks);
+            inc_to(&self.park_failures, &mut seen, 1, p.failures);
         }
         let mut out = String::new();
         // Writing to a String cannot fail.

@@ -14,21 +14,27 @@ use std::{
     collections::HashMap,
     future::Future,
     net::SocketAddr,
+    pin::Pin,
     sync::{
         atomic::{AtomicUsize, Ordering},
         Arc, Mutex,
     },
+    task::{ready, Context, Poll},
     time::{Duration, Instant},
 };
 
 use bytes::BytesMut;
+use futures::{future::Either, FutureExt as _};
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
-use tokio_util::{sync::CancellationToken, task::TaskTracker};
+use tokio_util::{
+    sync::{CancellationToken, WaitForCancellationFutureOwned},
+    task::TaskTracker,
+};
 use tracing::{debug, info, warn, Instrument as _};
 
 use crate::{
-    dataplane::{Dataplane, Limits},
+    dataplane::{self, Dataplane, Limits, Outcome},
     sni,
     store::Store,
 };
@@ -139,6 +145,111 @@ impl Drop for Slot {
     fn drop(&mut self) {
         self.count.fetch_sub(1, Ordering::SeqCst);
         self.gauge.dec();
+    }
+}
+
+/// A connection that reached a pod, handed from the hello phase to the forwarding phase.
+struct Routed {
+    router: Arc<Router>,
+    down: TcpStream,
+    up: TcpStream,
+    /// The bytes read so far (the ClientHello).
+    initial: Vec<u8>,
+    _lease: route::Lease,
+    _active: Slot,
+    kill: CancellationToken,
+}
+
+impl Routed {
+    /// The forwarding phase: hands the connection to the dataplane until it ends, or
+    /// until `kill` (the end of a drain).
+    fn forward(self) -> Forwarding<impl Future<Output = Result<Outcome, dataplane::Error>>> {
+        let Routed {
+            router,
+            down,
+            up,
+            initial,
+            _lease,
+            _active,
+            kill,
+        } = self;
+        let forward = router
+            .dataplane
+            .forward(down, up, initial, router.config.limits);
+        Forwarding {
+            forward,
+            killed: kill.cancelled_owned(),
+            router,
+            _lease,
+            _active,
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// See [`Routed::forward`]. Hand-written rather than an `async` block with a
+    /// `select!`: the block would also keep the sockets and the hello it moved into the
+    /// dataplane, for the connection's whole life.
+    struct Forwarding<F> {
+        #[pin]
+        forward: F,
+        #[pin]
+        killed: WaitForCancellationFutureOwned,
+        router: Arc<Router>,
+        _lease: route::Lease,
+        _active: Slot,
+    }
+}
+
+impl<F: Future<Output = Result<Outcome, dataplane::Error>>> Future for Forwarding<F> {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let this = self.project();
+        let metrics = &this.router.metrics;
+        if this.killed.poll(cx).is_ready() {
+            metrics
+                .closed
+                .get_or_create(&metrics::EndLabel {
+                    end: "drain_deadline",
+                })
+                .inc();
+            debug!("closed at the drain deadline");
+            return Poll::Ready(());
+        }
+        match ready!(this.forward.poll(cx)) {
+            Ok(o) => {
+                metrics
+                    .closed
+                    .get_or_create(&metrics::EndLabel {
+                        end: o.end.as_str(),
+                    })
+                    .inc();
+                for (direction, n) in [
+                    ("downstream_to_upstream", o.downstream_to_upstream),
+                    ("upstream_to_downstream", o.upstream_to_downstream),
+                ] {
+                    metrics
+                        .bytes
+                        .get_or_create(&metrics::DirectionLabel { direction })
+                        .inc_by(n);
+                }
+                debug!(
+                    end = o.end.as_str(),
+                    down_to_up = o.downstream_to_upstream,
+                    up_to_down = o.upstream_to_downstream,
+                    "connection closed"
+                );
+            }
+            Err(e) => {
+                metrics
+                    .closed
+                    .get_or_create(&metrics::EndLabel { end: "setup_error" })
+                    .inc();
+                warn!(error = %e, "dataplane could not take the connection");
+            }
+        }
+        Poll::Ready(())
     }
 }
 
@@ -257,100 +368,75 @@ impl Router {
     }
 
     /// One connection, from the hello to the close. Takes the router by `Arc` and is
-    /// spawned as is: a wrapping `async move` block would store the arguments a second
-    /// time in every connection's task.
+    /// spawned as is.
+    ///
+    /// Two phases chained with a combinator, not one `async` block: a block keeps what it
+    /// captured, and its locals, for the connection's whole life, and most of a routed
+    /// connection's life is spent idle. The hello phase (about 700 B with the connect)
+    /// is boxed and freed once the connection is routed.
     fn handle(
+        self: Arc<Self>,
+        down: TcpStream,
+        peer: SocketAddr,
+        pending: Slot,
+        kill: CancellationToken,
+    ) -> impl Future<Output = ()> + Send {
+        Box::pin(self.admit(down, peer, pending, kill)).then(|routed| match routed {
+            Some(r) => Either::Left(r.forward()),
+            None => Either::Right(std::future::ready(())),
+        })
+    }
+
+    /// The hello phase: reads the hello, routes it and dials the pod. None when the
+    /// connection was rejected (counted and logged here) or killed.
+    async fn admit(
         self: Arc<Self>,
         mut down: TcpStream,
         peer: SocketAddr,
         pending: Slot,
         kill: CancellationToken,
-    ) -> impl Future<Output = ()> + Send {
-        let router = self;
-        // An `async move` block, not an `async fn`: the latter stores every argument
-        // twice in its state (once as passed, once as the body's binding).
-        async move {
-            let started = Instant::now();
-            let mut buf = BytesMut::with_capacity(2048);
-            // Boxed: inline, the hello and connect state (about 700 B) would size the task
-            // for the connection's whole life.
-            // The lease counts this pod's connections for balancing until the end.
-            let (up, _lease) = match tokio::select! {
-                r = Box::pin(router.route(&mut down, &mut buf)) => r,
-                _ = kill.cancelled() => return,
-            } {
-                Ok(routed) => routed,
-                Err(reject) => {
-                    let reason = reject.reason();
-                    router.metrics.reject(reason);
-                    router.log.log(reason, peer, &reject);
-                    return;
-                }
-            };
-            drop(pending);
-            let _active = Slot::take(&router.active, &router.metrics.active);
-            router
-                .metrics
-                .handshake
-                .observe(started.elapsed().as_secs_f64());
-            router.metrics.opened.inc();
-            // Latency matters more than packet count for request/response traffic; the
-            // dataplanes write in large chunks anyway.
-            let _ = down.set_nodelay(true);
-            let _ = up.set_nodelay(true);
-
-            let outcome = tokio::select! {
-                r = router.dataplane.forward(down, up, Vec::from(buf), router.config.limits) => r,
-                _ = kill.cancelled() => {
-                    router.metrics.closed.get_or_create(&metrics::EndLabel { end: "drain_deadline" }).inc();
-                    debug!("closed at the drain deadline");
-                    return;
-                }
-            };
-            match outcome {
-                Ok(o) => {
-                    router
-                        .metrics
-                        .closed
-                        .get_or_create(&metrics::EndLabel {
-                            end: o.end.as_str(),
-                        })
-                        .inc();
-                    for (direction, n) in [
-                        ("downstream_to_upstream", o.downstream_to_upstream),
-                        ("upstream_to_downstream", o.upstream_to_downstream),
-                    ] {
-                        router
-                            .metrics
-                            .bytes
-                            .get_or_create(&metrics::DirectionLabel { direction })
-                            .inc_by(n);
-                    }
-                    debug!(
-                        end = o.end.as_str(),
-                        down_to_up = o.downstream_to_upstream,
-                        up_to_down = o.upstream_to_downstream,
-                        "connection closed"
-                    );
-                }
-                Err(e) => {
-                    router
-                        .metrics
-                        .closed
-                        .get_or_create(&metrics::EndLabel { end: "setup_error" })
-                        .inc();
-                    warn!(error = %e, "dataplane could not take the connection");
-                }
+    ) -> Option<Routed> {
+        let started = Instant::now();
+        let mut buf = BytesMut::with_capacity(2048);
+        // The lease counts this pod's connections for balancing until the end.
+        let (up, lease) = match tokio::select! {
+            r = self.route(&mut down, &mut buf) => r,
+            _ = kill.cancelled() => return None,
+        } {
+            Ok(routed) => routed,
+            Err(reject) => {
+                let reason = reject.reason();
+                self.metrics.reject(reason);
+                self.log.log(reason, peer, &reject);
+                return None;
             }
-        }
+        };
+        drop(pending);
+        let active = Slot::take(&self.active, &self.metrics.active);
+        self.metrics
+            .handshake
+            .observe(started.elapsed().as_secs_f64());
+        self.metrics.opened.inc();
+        // Latency matters more than packet count for request/response traffic; the
+        // dataplanes write in large chunks anyway.
+        let _ = down.set_nodelay(true);
+        let _ = up.set_nodelay(true);
+        Some(Routed {
+            router: self,
+            down,
+            up,
+            initial: Vec::from(buf),
+            _lease: lease,
+            _active: active,
+            kill,
+        })
     }
-
     /// Reads the hello, picks a pod and connects to it.
     async fn route(
         &self,
         down: &mut TcpStream,
         buf: &mut BytesMut,
-    ) -> Result<(TcpStream, route::Lease<'_>), Reject> {
+    ) -> Result<(TcpStream, route::Lease), Reject> {
         let cfg = &self.config;
         let hello = tokio::time::timeout(
             cfg.hello_timeout,

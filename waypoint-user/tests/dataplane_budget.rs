@@ -173,7 +173,7 @@ impl Drop for Veth {
 }
 
 fn budget_dataplane(max_inflight: u64) -> Arc<Dataplane> {
-    Arc::new(Dataplane::Ebpf(Box::new(
+    Arc::new(Dataplane::Ebpf(Arc::new(
         ebpf::Ebpf::load(ebpf::Config {
             max_inflight,
             splice_after: 0,

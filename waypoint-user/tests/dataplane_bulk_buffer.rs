@@ -79,7 +79,7 @@ async fn bulk_direction_gets_a_bigger_send_buffer() {
         2 * BULK_BUFFER > 2 * autotune_max,
         "the cap must be well above what autotuning reaches, or the test proves nothing"
     );
-    let dp = Arc::new(Dataplane::Ebpf(Box::new(
+    let dp = Arc::new(Dataplane::Ebpf(Arc::new(
         ebpf::Ebpf::load(ebpf::Config {
             // Small, so that a paused reader trips it quickly.
             max_inflight: 256 * 1024,

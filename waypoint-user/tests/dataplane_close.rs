@@ -544,9 +544,12 @@ async fn upstream_fin_queued_before_forwarding(kind: Kind) {
     );
 }
 
+/// The copy parks a silent connection after 100 ms: its idle timeout then falls due
+/// while it is parked.
 const SHORT_IDLE: Limits = Limits {
     idle_timeout: Duration::from_millis(300),
     max_lifetime: None,
+    park_after: Some(waypoint::dataplane::DEFAULT_PARK_AFTER),
 };
 
 /// (g) A connection that goes silent is closed by the proxy: both ends see EOF.
@@ -626,6 +629,7 @@ async fn lifetime_closes_silent_connection(kind: Kind) {
     let limits = Limits {
         idle_timeout: Duration::from_secs(60),
         max_lifetime: Some(Duration::from_millis(500)),
+        ..Limits::default()
     };
     let (server, mut proxy) = setup(kind, HELLO, limits).await;
     let mut c = connect_with_hello(&proxy).await;
@@ -655,6 +659,7 @@ async fn lifetime_closes_busy_connection(kind: Kind) {
     let limits = Limits {
         idle_timeout: Duration::from_millis(300),
         max_lifetime: Some(Duration::from_secs(1)),
+        ..Limits::default()
     };
     let (server, mut proxy) = setup(kind, HELLO, limits).await;
     let mut c = connect_with_hello(&proxy).await;

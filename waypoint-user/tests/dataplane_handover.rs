@@ -26,7 +26,7 @@ const WITHIN: Duration = Duration::from_secs(30);
 
 fn dataplane(splice_after: u64) -> Arc<Dataplane> {
     common::require_root();
-    Arc::new(Dataplane::Ebpf(Box::new(
+    Arc::new(Dataplane::Ebpf(Arc::new(
         Ebpf::load(ebpf::Config {
             splice_after,
             ..ebpf::Config::default()

@@ -169,7 +169,7 @@ async fn eager_sender_falls_back_intact_ebpf() {
     // Its own instance: the shared one's fallback count is checked by the bulk test,
     // which may run at the same time.
     common::require_root();
-    let dp = std::sync::Arc::new(waypoint::dataplane::Dataplane::Ebpf(Box::new(
+    let dp = std::sync::Arc::new(waypoint::dataplane::Dataplane::Ebpf(std::sync::Arc::new(
         waypoint::dataplane::ebpf::Ebpf::load(waypoint::dataplane::ebpf::Config {
             splice_after: 0,
             ..waypoint::dataplane::ebpf::Config::default()

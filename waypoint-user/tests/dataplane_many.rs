@@ -153,6 +153,8 @@ async fn many(kind: Kind) {
     let stats_before = ebpf_stats(&dp);
     let server = echo_server().await;
     let mut proxy = common::proxy(dp.clone(), server, HELLO, Limits::default()).await;
+    // The parker's epoll set and eventfd live as long as the process: open them first.
+    assert!(waypoint::dataplane::start_parking());
     let fds_before = open_fds();
 
     let started = Instant::now();

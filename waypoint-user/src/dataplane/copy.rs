@@ -15,19 +15,22 @@
 use std::{
     future::Future,
     io,
-    pin::{pin, Pin},
+    pin::Pin,
     task::{ready, Context, Poll},
     time::Duration,
 };
 
+use futures::FutureExt as _;
 use tokio::{
     net::TcpStream,
     time::{Instant, Sleep},
 };
+use tracing::debug;
 
 use super::{
-    abort_on_close, classify_read_error, classify_write_error, shutdown_write, DirEnd, End, Limits,
-    Outcome,
+    abort_on_close, classify_read_error, classify_write_error,
+    park::{Parked, Parker},
+    shutdown_write, DirEnd, End, Limits, Outcome,
 };
 
 /// Size of a direction's heap buffer, once it has one.
@@ -45,33 +48,211 @@ pub struct Copy;
 
 impl Copy {
     /// See [`super::Dataplane::forward`].
-    #[allow(
-        clippy::manual_async_fn,
-        reason = "an `async fn` stores its arguments twice"
-    )]
     pub fn forward(
         &self,
         downstream: TcpStream,
         upstream: TcpStream,
         initial: Vec<u8>,
         limits: Limits,
-    ) -> impl Future<Output = io::Result<Outcome>> + Send + '_ {
-        // An `async move` block, not an `async fn`: the latter stores every argument
-        // twice in its state (as passed, and as the body's binding).
-        async move {
-            let mut copier = pin!(Copier::new(&downstream, &upstream, initial, limits, NEVER));
-            let end = match copier.as_mut().await {
-                Stop::Ended(end) => end,
+    ) -> impl Future<Output = io::Result<Outcome>> + Send + 'static {
+        // A combinator, not an `async` block, which would keep the arguments it moved into
+        // the copy for the connection's whole life.
+        copy(downstream, upstream, initial, limits, NEVER).map(|(copied, (d2u, u2d))| {
+            let end = match copied {
+                Copied::Ended(end) => end,
                 // Cannot happen: no connection carries `NEVER` bytes.
-                Stop::Move => End::Error(io::ErrorKind::Unsupported),
+                Copied::Move(..) => End::Error(io::ErrorKind::Unsupported),
             };
-            Ok(copier.outcome(end))
-        }
+            Ok(Outcome {
+                downstream_to_upstream: d2u,
+                upstream_to_downstream: u2d,
+                end,
+            })
+        })
     }
 }
 
 /// A `move_after` that is never reached.
 pub(crate) const NEVER: u64 = u64::MAX;
+
+/// How [`copy`] ended.
+pub(crate) enum Copied {
+    /// The connection ended; the sockets are closed the right way (FIN or RST).
+    Ended(End),
+    /// The connection carried `move_after` bytes and neither direction holds any: the
+    /// sockets (downstream, upstream), with what is queued in them unread.
+    Move(TcpStream, TcpStream),
+}
+
+/// Copies both directions with a [`Copier`] until the connection ends or is to move, and
+/// parks it (see [`super::park`]) whenever it has been idle for `limits.park_after`.
+/// Resolves with how it ended and the bytes moved downstream to upstream (the initial
+/// bytes included) and upstream to downstream.
+///
+/// Hand-written rather than an `async` block: a block keeps everything it captured in
+/// every state, so a parked connection's task would still carry both tokio sockets and
+/// the copy's arguments. This is about 150 B, and the [`Copier`] is boxed so that parking
+/// frees it.
+pub(crate) struct CopyPhase {
+    phase: Phase,
+    limits: Limits,
+    move_after: u64,
+}
+
+enum Phase {
+    Copying {
+        down: TcpStream,
+        up: TcpStream,
+        copier: Pin<Box<Copier>>,
+    },
+    Parked {
+        parked: Parked,
+        progress: Progress,
+    },
+    Done,
+}
+
+/// See [`CopyPhase`].
+pub(crate) fn copy(
+    down: TcpStream,
+    up: TcpStream,
+    initial: Vec<u8>,
+    limits: Limits,
+    move_after: u64,
+) -> CopyPhase {
+    let progress = Progress::start(limits);
+    CopyPhase {
+        phase: Phase::Copying {
+            down,
+            up,
+            copier: Box::pin(Copier::resume(initial, limits, move_after, progress)),
+        },
+        limits,
+        move_after,
+    }
+}
+
+impl Future for CopyPhase {
+    type Output = (Copied, (u64, u64));
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = &mut *self;
+        loop {
+            match &mut this.phase {
+                Phase::Copying { down, up, copier } => {
+                    let stop = ready!(copier.as_mut().poll_copy(cx, down, up));
+                    let progress = copier.progress();
+                    let moved = (progress.moved[0], progress.moved[1]);
+                    let Phase::Copying { down, up, .. } =
+                        std::mem::replace(&mut this.phase, Phase::Done)
+                    else {
+                        unreachable!("matched above")
+                    };
+                    match stop {
+                        Stop::Ended(end) => return Poll::Ready((Copied::Ended(end), moved)),
+                        Stop::Move => return Poll::Ready((Copied::Move(down, up), moved)),
+                        Stop::Park => {}
+                    }
+                    match park(down, up, progress.deadline(this.limits)) {
+                        Ok(parked) => this.phase = Phase::Parked { parked, progress },
+                        Err(Unparked::Back(down, up)) => {
+                            // Counted and logged in `park`: this connection stays in tokio.
+                            this.limits.park_after = None;
+                            this.resume(down, up, progress);
+                        }
+                        Err(Unparked::Lost(e)) => {
+                            debug!(error = %e, "connection lost while parking");
+                            return Poll::Ready((Copied::Ended(End::Error(e.kind())), moved));
+                        }
+                    }
+                }
+                Phase::Parked { parked, progress } => {
+                    let (why, [down, up]) = ready!(Pin::new(parked).poll(cx));
+                    let progress = *progress;
+                    debug!(woken_by = ?why, "parked connection woken");
+                    match unpark(down, up) {
+                        Ok((down, up)) => this.resume(down, up, progress),
+                        Err(e) => {
+                            debug!(error = %e, "connection lost while unparking");
+                            let moved = (progress.moved[0], progress.moved[1]);
+                            this.phase = Phase::Done;
+                            return Poll::Ready((Copied::Ended(End::Error(e.kind())), moved));
+                        }
+                    }
+                }
+                // Polled after it resolved: a caller's bug, but nothing to do here.
+                Phase::Done => return Poll::Pending,
+            }
+        }
+    }
+}
+
+impl CopyPhase {
+    fn resume(&mut self, down: TcpStream, up: TcpStream, progress: Progress) {
+        let copier = Copier::resume(Vec::new(), self.limits, self.move_after, progress);
+        self.phase = Phase::Copying {
+            down,
+            up,
+            copier: Box::pin(copier),
+        };
+    }
+}
+
+/// A connection [`park`] did not park.
+enum Unparked {
+    /// The parker could not take it: the sockets, still in tokio.
+    Back(TcpStream, TcpStream),
+    /// A socket could not leave tokio's reactor (epoll_ctl failed). The other socket
+    /// was closed with RST.
+    Lost(io::Error),
+}
+
+/// Takes a connection's sockets out of tokio's reactor and parks them until one turns
+/// readable or hangs up, or `deadline` falls due.
+fn park(down: TcpStream, up: TcpStream, deadline: Option<Instant>) -> Result<Parked, Unparked> {
+    let Some(parker) = Parker::get() else {
+        return Err(Unparked::Back(down, up));
+    };
+    let down = down.into_std().map_err(Unparked::Lost)?;
+    let up = match up.into_std() {
+        Ok(up) => up,
+        Err(e) => {
+            let _ = socket2::SockRef::from(&down).set_linger(Some(Duration::ZERO));
+            return Err(Unparked::Lost(e));
+        }
+    };
+    match parker.park([down, up], deadline.map(Instant::into_std)) {
+        Ok(parked) => Ok(parked),
+        Err((e, [down, up])) => {
+            debug!(error = %e, "connection not parked");
+            let (down, up) = unpark(down, up).map_err(Unparked::Lost)?;
+            Err(Unparked::Back(down, up))
+        }
+    }
+}
+
+/// Brings parked sockets back into tokio's reactor. On error the connection is lost and
+/// the other socket is closed with RST.
+fn unpark(
+    down: std::net::TcpStream,
+    up: std::net::TcpStream,
+) -> io::Result<(TcpStream, TcpStream)> {
+    // Still non-blocking: `into_std` leaves the descriptors' flags as they were.
+    let down = match TcpStream::from_std(down) {
+        Ok(d) => d,
+        Err(e) => {
+            let _ = socket2::SockRef::from(&up).set_linger(Some(Duration::ZERO));
+            return Err(e);
+        }
+    };
+    match TcpStream::from_std(up) {
+        Ok(up) => Ok((down, up)),
+        Err(e) => {
+            abort_on_close(&down);
+            Err(e)
+        }
+    }
+}
 
 /// Writes all of `buf` to `sock`, waiting for send-buffer space as needed.
 pub(crate) async fn write_all(sock: &TcpStream, mut buf: &[u8]) -> io::Result<()> {
@@ -95,6 +276,45 @@ pub(crate) enum Stop {
     /// The connection carried `move_after` bytes and neither direction holds any: the
     /// sockets can be handed to another dataplane. What is queued in them is unread.
     Move,
+    /// Nothing moved for `park_after`, neither direction holds bytes or has ended, and
+    /// no waker is needed: the connection can be parked (see [`copy`]).
+    Park,
+}
+
+/// What a [`Copier`] hands on to the next one when the connection is parked: its byte
+/// counts and the state of its idle and lifetime checks.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Progress {
+    /// Bytes written downstream to upstream and upstream to downstream.
+    moved: [u64; 2],
+    /// When the idle check last saw bytes move.
+    last_change: Instant,
+    lifetime_end: Option<Instant>,
+    /// Handed on from a parked connection.
+    resumed: bool,
+}
+
+impl Progress {
+    /// A connection starting now.
+    pub(crate) fn start(limits: Limits) -> Progress {
+        let now = Instant::now();
+        Progress {
+            moved: [0; 2],
+            last_change: now,
+            lifetime_end: limits.max_lifetime.map(|l| now + l),
+            resumed: false,
+        }
+    }
+
+    /// When a parked connection must wake to be closed: idle for the whole timeout, or
+    /// at the end of its lifetime.
+    fn deadline(&self, limits: Limits) -> Option<Instant> {
+        let idle = self.last_change.checked_add(limits.idle_timeout);
+        match (idle, self.lifetime_end) {
+            (Some(i), Some(l)) => Some(i.min(l)),
+            (i, l) => i.or(l),
+        }
+    }
 }
 
 /// One direction's state.
@@ -130,15 +350,18 @@ impl Dir {
         self.off == self.buf.len()
     }
 
-    /// Copies from `src` to `dst` until neither can go on now. With `stop`, stops before
-    /// the next read instead, once it holds no bytes.
+    /// Copies from `src` to `dst` until neither can go on now. Once this call has moved
+    /// `stop_after` bytes (0: at once), stops before the next read instead, holding no
+    /// bytes: checked at every read, so that a burst queued while the connection was
+    /// parked does not keep it in the copy past its move.
     fn poll(
         &mut self,
         cx: &mut Context<'_>,
         src: &TcpStream,
         dst: &TcpStream,
-        stop: bool,
+        stop_after: u64,
     ) -> Poll<Result<Step, DirEnd>> {
+        let start = self.moved;
         // Each socket operation is tried first, and its readiness polled only when it
         // would block, as `async` pumps awaiting `readable()` did: a readiness poll spends
         // tokio's cooperative budget, and polling it before every read made the loop yield
@@ -166,7 +389,7 @@ impl Dir {
                 self.buf = Vec::new();
             }
             self.off = 0;
-            if stop {
+            if self.moved - start >= stop_after {
                 return Poll::Ready(Ok(Step::Stopped));
             }
             let read = if self.big {
@@ -220,16 +443,15 @@ pin_project_lite::pin_project! {
     /// a reset on one side aborts the other, idle and over-age connections are closed.
     /// Optionally stops once the connection carried `move_after` bytes, at a moment
     /// neither direction holds bytes (see [`Stop::Move`]).
-    pub(crate) struct Copier<'a> {
-        down: &'a TcpStream,
-        up: &'a TcpStream,
+    pub(crate) struct Copier {
         // Downstream to upstream, then upstream to downstream.
         dirs: [Dir; 2],
         // Which direction is polled first: alternates, for fairness.
         first: usize,
         move_after: u64,
         idle_timeout: Duration,
-        // Idle-check cadence, as in `drive()`.
+        park_after: Option<Duration>,
+        // Timer cadence: the idle check's (as in `drive()`), or `park_after` if shorter.
         tick: Duration,
         lifetime_end: Option<Instant>,
         last_progress: u64,
@@ -239,56 +461,74 @@ pin_project_lite::pin_project! {
     }
 }
 
-impl<'a> Copier<'a> {
+impl Copier {
     /// `initial` is written to upstream before anything read from downstream.
-    pub(crate) fn new(
-        down: &'a TcpStream,
-        up: &'a TcpStream,
+    #[cfg(test)]
+    pub(crate) fn new(initial: Vec<u8>, limits: Limits, move_after: u64) -> Copier {
+        Copier::resume(initial, limits, move_after, Progress::start(limits))
+    }
+
+    /// Goes on from `progress`: a new connection's (with its `initial` bytes) or a
+    /// parked one's. A parked connection's first timer fire is at once, so a deadline
+    /// that woke it closes it without waiting a tick.
+    pub(crate) fn resume(
         initial: Vec<u8>,
         limits: Limits,
         move_after: u64,
-    ) -> Copier<'a> {
+        progress: Progress,
+    ) -> Copier {
         let now = Instant::now();
         let tick = idle_tick(limits.idle_timeout);
-        let lifetime_end = limits.max_lifetime.map(|l| now + l);
-        let first_fire = lifetime_end.map_or(now + tick, |end| end.min(now + tick));
+        let tick = limits
+            .park_after
+            .map_or(tick, |p| tick.min(p.max(MIN_PARK_AFTER)));
+        let first_fire = if progress.resumed { now } else { now + tick };
+        let first_fire = progress
+            .lifetime_end
+            .map_or(first_fire, |end| end.min(first_fire));
+        let dir = |moved, buf| Dir {
+            buf,
+            moved,
+            ..Dir::default()
+        };
         Copier {
-            down,
-            up,
             dirs: [
-                Dir {
-                    buf: initial,
-                    ..Dir::default()
-                },
-                Dir::default(),
+                dir(progress.moved[0], initial),
+                dir(progress.moved[1], Vec::new()),
             ],
             first: 0,
             move_after,
             idle_timeout: limits.idle_timeout,
+            park_after: limits.park_after,
             tick,
-            lifetime_end,
-            last_progress: 0,
-            last_change: now,
+            lifetime_end: progress.lifetime_end,
+            last_progress: progress.moved[0] + progress.moved[1],
+            last_change: progress.last_change,
             timer: tokio::time::sleep_until(first_fire),
         }
     }
 
     /// Bytes written downstream to upstream (the initial bytes included) and upstream to
     /// downstream so far.
+    #[cfg(test)]
     pub(crate) fn moved(&self) -> (u64, u64) {
         (self.dirs[0].moved, self.dirs[1].moved)
     }
 
-    /// The outcome of a connection that ended with `end`.
-    pub(crate) fn outcome(&self, end: End) -> Outcome {
-        let (d2u, u2d) = self.moved();
-        Outcome {
-            downstream_to_upstream: d2u,
-            upstream_to_downstream: u2d,
-            end,
+    /// What a following [`Copier::resume`] goes on from.
+    pub(crate) fn progress(&self) -> Progress {
+        Progress {
+            moved: [self.dirs[0].moved, self.dirs[1].moved],
+            last_change: self.last_change,
+            lifetime_end: self.lifetime_end,
+            resumed: true,
         }
     }
 }
+
+/// The shortest `park_after` honoured: a shorter one would run the timer more often than
+/// a connection's bytes are worth.
+const MIN_PARK_AFTER: Duration = Duration::from_millis(10);
 
 /// The idle check's cadence: a quarter of the idle timeout, but at least every 5 s and at
 /// most every 10 ms, so the timeout fires within 25 % of its setting.
@@ -296,12 +536,17 @@ pub(crate) fn idle_tick(idle_timeout: Duration) -> Duration {
     (idle_timeout / 4).clamp(Duration::from_millis(10), Duration::from_secs(5))
 }
 
-impl Future for Copier<'_> {
-    type Output = Stop;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Stop> {
+impl Copier {
+    /// Copies between `down` and `up` (the same sockets at every call) until neither
+    /// direction can go on now, or the connection stops.
+    pub(crate) fn poll_copy(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        down: &TcpStream,
+        up: &TcpStream,
+    ) -> Poll<Stop> {
         let mut this = self.project();
-        let sockets = [(*this.down, *this.up), (*this.up, *this.down)];
+        let sockets = [(down, up), (up, down)];
         *this.first ^= 1;
         loop {
             let mut stopped = false;
@@ -309,15 +554,19 @@ impl Future for Copier<'_> {
                 if this.dirs[i].done {
                     continue;
                 }
-                let due = due(this.dirs, *this.move_after) && this.dirs[i ^ 1].idle();
+                // The move needs the other direction idle, and it is not polled meanwhile.
+                let stop_after = if this.dirs[i ^ 1].idle() && !this.dirs[i ^ 1].done {
+                    let total = this.dirs[0].moved + this.dirs[1].moved;
+                    this.move_after.saturating_sub(total)
+                } else {
+                    u64::MAX
+                };
                 let (src, dst) = sockets[i];
-                match this.dirs[i].poll(cx, src, dst, due) {
+                match this.dirs[i].poll(cx, src, dst, stop_after) {
                     Poll::Pending => {}
                     Poll::Ready(Ok(Step::Eof)) => this.dirs[i].done = true,
                     Poll::Ready(Ok(Step::Stopped)) => stopped = true,
-                    Poll::Ready(Err(e)) => {
-                        return Poll::Ready(Stop::Ended(failed(i, e, this.down, this.up)))
-                    }
+                    Poll::Ready(Err(e)) => return Poll::Ready(Stop::Ended(failed(i, e, down, up))),
                 }
             }
             if this.dirs.iter().all(|d| d.done) {
@@ -341,8 +590,19 @@ impl Future for Copier<'_> {
             if progress != *this.last_progress {
                 *this.last_progress = progress;
                 *this.last_change = now;
-            } else if now.duration_since(*this.last_change) >= *this.idle_timeout {
-                return Poll::Ready(Stop::Ended(End::IdleTimeout));
+            } else {
+                let quiet = now.duration_since(*this.last_change);
+                if quiet >= *this.idle_timeout {
+                    return Poll::Ready(Stop::Ended(End::IdleTimeout));
+                }
+                // Both directions were polled above and registered their wakers: nothing
+                // is buffered, nothing has ended, and (not having moved) the connection is
+                // not due to move.
+                if this.park_after.is_some_and(|p| quiet >= p)
+                    && this.dirs.iter().all(|d| d.idle() && !d.done)
+                {
+                    return Poll::Ready(Stop::Park);
+                }
             }
             let next = now + *this.tick;
             let next = this.lifetime_end.map_or(next, |end| end.min(next));
@@ -378,7 +638,7 @@ fn failed(i: usize, e: DirEnd, down: &TcpStream, up: &TcpStream) -> End {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 
-    use std::time::Duration;
+    use std::{future::poll_fn, pin::pin, time::Duration};
 
     use tokio::{
         io::{AsyncReadExt, AsyncWriteExt},
@@ -419,22 +679,28 @@ mod tests {
     #[tokio::test]
     async fn no_move_while_a_direction_holds_bytes() {
         const SENT: usize = 4 * 1024 * 1024;
+        const HELD: usize = 1024 * 1024;
         let (mut client, down) = pair().await;
         let (mut server, up) = small_pair().await;
         let sent = pattern(SENT);
         let writer = {
-            let sent = sent.clone();
+            let rest = sent[HELD..].to_vec();
             tokio::spawn(async move {
-                client.write_all(&sent).await.unwrap();
+                client.write_all(&rest).await.unwrap();
                 // Kept open: an EOF would rule the move out.
                 client
             })
         };
-        // Much more is queued in `down` than fits towards the server, before the first
-        // poll: the copy fills what fits and then holds bytes, past its threshold.
+        // The copy starts with 1 MiB to write (as the router hands over what it read),
+        // far more than fits towards the server, and the rest queued in `down`: past
+        // its threshold (0) at once, it holds bytes.
         tokio::time::sleep(Duration::from_millis(100)).await;
-        let mut copier = pin!(Copier::new(&down, &up, Vec::new(), Limits::default(), 1));
-        let early = tokio::time::timeout(Duration::from_millis(300), copier.as_mut()).await;
+        let mut copier = pin!(Copier::new(sent[..HELD].to_vec(), Limits::default(), 0));
+        let early = tokio::time::timeout(
+            Duration::from_millis(300),
+            poll_fn(|cx| copier.as_mut().poll_copy(cx, &down, &up)),
+        )
+        .await;
         assert!(early.is_err(), "moved while holding bytes: {early:?}");
         assert!(
             !copier.dirs[0].idle(),
@@ -453,16 +719,74 @@ mod tests {
             }
             got
         });
-        let stop = tokio::time::timeout(Duration::from_secs(10), copier.as_mut())
-            .await
-            .expect("the move never came");
+        let stop = tokio::time::timeout(
+            Duration::from_secs(10),
+            poll_fn(|cx| copier.as_mut().poll_copy(cx, &down, &up)),
+        )
+        .await
+        .expect("the move never came");
         assert_eq!(stop, Stop::Move);
         let (d2u, u2d) = copier.moved();
         assert_eq!(u2d, 0);
         let mut got = reader.await.unwrap();
         assert_eq!(got.len() as u64, d2u, "written is what the server got");
+        assert_eq!(
+            d2u, HELD as u64,
+            "past the threshold, the copy reads no more"
+        );
         // The rest is still in the router's downstream socket, unread (read before the
         // writer is awaited: it may be waiting for room in that socket).
+        let mut rest = vec![0u8; SENT - got.len()];
+        let mut down = down;
+        down.read_exact(&mut rest).await.unwrap();
+        let _client = writer.await.unwrap();
+        got.extend_from_slice(&rest);
+        assert!(got == sent, "bytes lost or reordered at the move");
+    }
+
+    /// A burst queued at once (as while a connection was parked) is copied only up to
+    /// the threshold, give or take one read, not to its end: the move is checked at
+    /// every read.
+    #[tokio::test]
+    async fn the_move_comes_at_the_threshold_within_a_burst() {
+        const SENT: usize = 4 * 1024 * 1024;
+        const THRESHOLD: u64 = 100_000;
+        let (mut client, down) = pair().await;
+        let (mut server, up) = pair().await;
+        let sent = pattern(SENT);
+        let writer = {
+            let sent = sent.clone();
+            tokio::spawn(async move {
+                client.write_all(&sent).await.unwrap();
+                client
+            })
+        };
+        let reader = tokio::spawn(async move {
+            let mut got = Vec::new();
+            let mut buf = vec![0u8; 64 * 1024];
+            while let Ok(Ok(n)) =
+                tokio::time::timeout(Duration::from_millis(500), server.read(&mut buf)).await
+            {
+                got.extend_from_slice(&buf[..n]);
+            }
+            got
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut copier = pin!(Copier::new(Vec::new(), Limits::default(), THRESHOLD));
+        let stop = tokio::time::timeout(
+            Duration::from_secs(10),
+            poll_fn(|cx| copier.as_mut().poll_copy(cx, &down, &up)),
+        )
+        .await
+        .expect("the move never came");
+        assert_eq!(stop, Stop::Move);
+        let (d2u, _) = copier.moved();
+        assert!(
+            (THRESHOLD..THRESHOLD + BUF_SIZE as u64).contains(&d2u),
+            "moved after {d2u} bytes, threshold {THRESHOLD}"
+        );
+        let mut got = reader.await.unwrap();
+        assert_eq!(got.len() as u64, d2u);
         let mut rest = vec![0u8; SENT - got.len()];
         let mut down = down;
         down.read_exact(&mut rest).await.unwrap();
@@ -476,20 +800,17 @@ mod tests {
     async fn below_the_threshold_it_ends_in_the_copy() {
         let (mut client, down) = pair().await;
         let (mut server, up) = pair().await;
-        let mut copier = pin!(Copier::new(
-            &down,
-            &up,
-            b"hello".to_vec(),
-            Limits::default(),
-            1024
-        ));
+        let mut copier = pin!(Copier::new(b"hello".to_vec(), Limits::default(), 1024));
         client.write_all(b" world").await.unwrap();
         client.shutdown().await.unwrap();
         server.write_all(b"bye").await.unwrap();
         server.shutdown().await.unwrap();
-        let stop = tokio::time::timeout(Duration::from_secs(5), copier.as_mut())
-            .await
-            .unwrap();
+        let stop = tokio::time::timeout(
+            Duration::from_secs(5),
+            poll_fn(|cx| copier.as_mut().poll_copy(cx, &down, &up)),
+        )
+        .await
+        .unwrap();
         assert_eq!(stop, Stop::Ended(End::Closed));
         assert_eq!(copier.moved(), (11, 3));
         let mut got = Vec::new();

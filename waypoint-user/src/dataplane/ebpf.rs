@@ -26,7 +26,7 @@ use std::{
     pin::pin,
     sync::{
         atomic::{AtomicU64, Ordering::Relaxed},
-        Mutex, MutexGuard,
+        Arc, Mutex, MutexGuard,
     },
     time::{Duration, Instant},
 };
@@ -36,6 +36,7 @@ use aya::{
     programs::SkSkb,
     Ebpf as Loaded, EbpfLoader,
 };
+use futures::{future::Either, FutureExt as _};
 use nix::sys::socket::{setsockopt, sockopt};
 use tokio::net::TcpStream;
 use tracing::{debug, info, trace, warn};
@@ -48,7 +49,7 @@ use super::flows::{self, Budget, FlowCell, FlowRef, FlowTable};
 use super::send_buffer::DrainProbe;
 use super::{
     btf, classify_read_error, classify_write_error,
-    copy::{write_all, Copier, Stop},
+    copy::{copy, write_all, Copied},
     drive, shutdown_write, DirEnd, End, Limits, Outcome,
 };
 
@@ -363,92 +364,108 @@ impl Ebpf {
     /// The kernel phase ([`Ebpf::splice`], about 2.1 KB of state) is boxed: inline, it
     /// would size every connection's task, and most connections (short or idle ones)
     /// never leave the copy.
-    #[allow(
-        clippy::manual_async_fn,
-        reason = "an `async fn` stores its arguments twice"
-    )]
+    ///
+    /// Owns a handle on the dataplane rather than borrowing it, so that the connection's
+    /// task can hold this future without an `async` block around it.
     pub fn forward(
-        &self,
+        self: &Arc<Self>,
         downstream: TcpStream,
         upstream: TcpStream,
         initial: Vec<u8>,
         limits: Limits,
-    ) -> impl Future<Output = Result<Outcome, Error>> + Send + '_ {
-        // An `async move` block, not an `async fn`: the latter stores every argument
-        // twice in its state (as passed, and as the body's binding).
-        async move {
-            if self.config.splice_after == 0 {
-                return Box::pin(self.splice(
+    ) -> impl Future<Output = Result<Outcome, Error>> + Send + 'static {
+        let dp = Arc::clone(self);
+        if self.config.splice_after == 0 {
+            return Either::Left(Box::pin(async move {
+                dp.splice(
                     downstream,
                     upstream,
                     initial,
                     Vec::new(),
                     limits,
                     Entry::Drain,
-                ))
-                .await;
-            }
-            let start = Instant::now();
-            // The copy first (see [`Copier`]): awaited here, not in a helper `async fn`,
-            // which would store the sockets and limits once more in the connection's task.
-            // Dropped at the move: its timer and its heap buffers go with it.
-            let (d2u, u2d) = {
-                let mut copier = pin!(Copier::new(
-                    &downstream,
-                    &upstream,
-                    initial,
-                    limits,
-                    self.config.splice_after
-                ));
-                match copier.as_mut().await {
-                    Stop::Ended(end) => return Ok(copier.outcome(end)),
-                    Stop::Move => copier.moved(),
-                }
-            };
-            self.handovers.fetch_add(1, Relaxed);
-            trace!(d2u, u2d, "moving the connection into the kernel");
-            // The lifetime counts from the accept, not from the move.
-            let limits = Limits {
-                max_lifetime: limits
-                    .max_lifetime
-                    .map(|l| l.saturating_sub(start.elapsed())),
-                ..limits
-            };
-            if self.repeat_check {
-                let mut outcome = Box::pin(self.splice(
+                )
+                .await
+            }));
+        }
+        let start = Instant::now();
+        // The copy first (see [`copy()`]), parked while idle, then the kernel phase,
+        // chained with a combinator: an `async` block would keep the arguments it moved
+        // into the copy, and the copy's state, for the connection's whole life.
+        let copy = copy(
+            downstream,
+            upstream,
+            initial,
+            limits,
+            self.config.splice_after,
+        );
+        Either::Right(copy.then(move |(copied, (d2u, u2d))| match copied {
+            Copied::Move(down, up) => Either::Left(Box::pin(async move {
+                dp.after_move(down, up, (d2u, u2d), limits, start).await
+            })),
+            Copied::Ended(end) => Either::Right(std::future::ready(Ok(Outcome {
+                downstream_to_upstream: d2u,
+                upstream_to_downstream: u2d,
+                end,
+            }))),
+        }))
+    }
+
+    /// The kernel phase of a connection that carried `moved` bytes (downstream to
+    /// upstream, upstream to downstream) in the copy, accepted at `start`.
+    async fn after_move(
+        &self,
+        downstream: TcpStream,
+        upstream: TcpStream,
+        (d2u, u2d): (u64, u64),
+        limits: Limits,
+        start: Instant,
+    ) -> Result<Outcome, Error> {
+        self.handovers.fetch_add(1, Relaxed);
+        trace!(d2u, u2d, "moving the connection into the kernel");
+        // The lifetime counts from the accept, not from the move.
+        let limits = Limits {
+            max_lifetime: limits
+                .max_lifetime
+                .map(|l| l.saturating_sub(start.elapsed())),
+            ..limits
+        };
+        if self.repeat_check {
+            let mut outcome = self
+                .splice(
                     downstream,
                     upstream,
                     Vec::new(),
                     Vec::new(),
                     limits,
                     Entry::Kick,
-                ))
+                )
                 .await?;
-                outcome.downstream_to_upstream += d2u;
-                outcome.upstream_to_downstream += u2d;
-                return Ok(outcome);
-            }
-            let settled = settle(&downstream, &upstream)?;
-            debug!(
-                d2u = settled.d2u,
-                u2d = settled.u2d,
-                d2u_rest = settled.down_rest.len(),
-                u2d_rest = settled.up_rest.len(),
-                "settled before the move"
-            );
-            let mut outcome = Box::pin(self.splice(
+            outcome.downstream_to_upstream += d2u;
+            outcome.upstream_to_downstream += u2d;
+            return Ok(outcome);
+        }
+        let settled = settle(&downstream, &upstream)?;
+        debug!(
+            d2u = settled.d2u,
+            u2d = settled.u2d,
+            d2u_rest = settled.down_rest.len(),
+            u2d_rest = settled.up_rest.len(),
+            "settled before the move"
+        );
+        let mut outcome = self
+            .splice(
                 downstream,
                 upstream,
                 settled.down_rest,
                 settled.up_rest,
                 limits,
                 Entry::Drain,
-            ))
+            )
             .await?;
-            outcome.downstream_to_upstream += d2u + settled.d2u;
-            outcome.upstream_to_downstream += u2d + settled.u2d;
-            Ok(outcome)
-        }
+        outcome.downstream_to_upstream += d2u + settled.d2u;
+        outcome.upstream_to_downstream += u2d + settled.u2d;
+        Ok(outcome)
     }
 
     /// Moves the connection into the SockHash (or, if it cannot enter, copies it in
@@ -1375,12 +1392,14 @@ mod tests {
     async fn no_free_slot_falls_back_to_userspace() {
         // SAFETY: geteuid has no preconditions.
         assert_eq!(unsafe { libc::geteuid() }, 0, "needs root (eBPF)");
-        let dp = Ebpf::load(Config {
-            max_sockets: 2,
-            splice_after: 0,
-            ..Config::default()
-        })
-        .expect("the eBPF dataplane loads");
+        let dp = Arc::new(
+            Ebpf::load(Config {
+                max_sockets: 2,
+                splice_after: 0,
+                ..Config::default()
+            })
+            .expect("the eBPF dataplane loads"),
+        );
         // One connection holds both slots.
         let (_a, b) = pair().await;
         let (c, _d) = pair().await;

@@ -105,17 +105,18 @@ impl Policy {
 /// Active connection counts per pod, for balancing.
 #[derive(Debug, Default)]
 pub struct Balancer {
-    active: Mutex<HashMap<IpAddr, usize>>,
+    active: Arc<Mutex<HashMap<IpAddr, usize>>>,
 }
 
-/// Holds one active connection to a pod; releases it on drop.
+/// Holds one active connection to a pod; releases it on drop. Owns a handle on the
+/// counts, so that a connection's task can hold it without borrowing the router.
 #[derive(Debug)]
-pub struct Lease<'a> {
-    balancer: &'a Balancer,
+pub struct Lease {
+    balancer: Balancer,
     ip: IpAddr,
 }
 
-impl Drop for Lease<'_> {
+impl Drop for Lease {
     fn drop(&mut self) {
         let mut active = self.balancer.lock();
         if let Some(n) = active.get_mut(&self.ip) {
@@ -136,7 +137,7 @@ impl Balancer {
     /// Takes the better of two random candidates (fewer active connections) out of
     /// `candidates` and leases it. Power of two choices: nearly as even as least
     /// connections, without herding every new connection onto the same idle pod.
-    pub fn pick(&self, candidates: &mut Vec<Arc<Endpoint>>) -> Option<(Arc<Endpoint>, Lease<'_>)> {
+    pub fn pick(&self, candidates: &mut Vec<Arc<Endpoint>>) -> Option<(Arc<Endpoint>, Lease)> {
         let n = candidates.len();
         let idx = match n {
             0 => return None,
@@ -160,7 +161,9 @@ impl Balancer {
         let ep = candidates.swap_remove(idx);
         *self.lock().entry(ep.pod_ip).or_default() += 1;
         let lease = Lease {
-            balancer: self,
+            balancer: Balancer {
+                active: self.active.clone(),
+            },
             ip: ep.pod_ip,
         };
         Some((ep, lease))

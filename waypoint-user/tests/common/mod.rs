@@ -34,7 +34,7 @@ pub fn ebpf() -> Arc<Dataplane> {
             dp.repeat_check(),
             "the verdict's repeat check must be on: tests run on a kernel with BTF"
         );
-        Arc::new(Dataplane::Ebpf(Box::new(dp)))
+        Arc::new(Dataplane::Ebpf(Arc::new(dp)))
     })
     .clone()
 }
