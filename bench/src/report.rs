@@ -539,7 +539,7 @@ pub fn json(run: &Run, machine: &Value) -> Value {
                     "setup_pinned": r.setup[1].iter().map(|(l, rate)| json!({"latency": latency_json(l), "conn_per_s": rate})).collect::<Vec<_>>(),
                     "memory": r.memory.iter().map(|m| json!({
                         "rss_before_bytes": m.rss_before, "rss_after_bytes": m.rss_after,
-                        "opened": m.opened, "wanted": m.wanted, "bytes_per_conn": m.per_conn(), "error": m.error,
+                        "opened": m.opened, "wanted": m.wanted, "bytes_per_conn": m.per_conn(), "error": m.error, "parked": m.parked,
                     })).collect::<Vec<_>>(),
                 },
                 "errors": r.errors,

@@ -44,7 +44,8 @@ pub struct Settings {
     pub work: PathBuf,
 }
 
-fn metric(admin: SocketAddr, name: &str) -> Option<f64> {
+/// One sample of the waypoint's metric `name` (None: no answer, or no such sample).
+pub fn metric(admin: SocketAddr, name: &str) -> Option<f64> {
     let mut s = TcpStream::connect_timeout(&admin, IO_TIMEOUT).ok()?;
     s.set_read_timeout(Some(IO_TIMEOUT)).ok()?;
     s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")

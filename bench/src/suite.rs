@@ -54,6 +54,9 @@ pub struct Memory {
     pub wanted: usize,
     /// Why fewer than `wanted` were opened.
     pub error: Option<String>,
+    /// The waypoint's `waypoint_connections_parked` when RSS was read (None: not a
+    /// waypoint, or its admin server did not answer).
+    pub parked: Option<f64>,
 }
 
 impl Memory {
@@ -174,9 +177,10 @@ pub fn run(s: Settings, servers: &Servers) -> anyhow::Result<Run> {
                         ));
                     }
                     eprintln!(
-                        "[rep {rep}] {:<8} memory: {} idle connections, RSS {:.1} → {:.1} MiB, {:.0} B/conn",
+                        "[rep {rep}] {:<8} memory: {} idle connections{}, RSS {:.1} → {:.1} MiB, {:.0} B/conn",
                         kind.name(),
                         m.opened,
+                        m.parked.map_or(String::new(), |p| format!(" ({p} parked)")),
                         m.rss_before as f64 / 1048576.0,
                         m.rss_after as f64 / 1048576.0,
                         m.per_conn()
@@ -314,9 +318,13 @@ fn memory(s: &Settings, setup: &Setup<'_>, kind: Kind) -> anyhow::Result<Memory>
     std::thread::sleep(Duration::from_millis(300));
     let rss_before = sys::rss_tree(pid);
     let (conns, err) = load::open_idle(&r.echo, s.idle_conns);
-    // Let the router finish its per-connection work (eBPF insertion, task parking).
+    // Let the router finish its per-connection work (eBPF insertion, parking idle
+    // connections after --park-after).
     std::thread::sleep(Duration::from_secs(1));
     let rss_after = sys::rss_tree(pid);
+    let parked = r
+        .admin
+        .and_then(|a| crate::scale::metric(a, "waypoint_connections_parked"));
     let opened = conns.len();
     drop(conns);
     r.stop();
@@ -326,6 +334,7 @@ fn memory(s: &Settings, setup: &Setup<'_>, kind: Kind) -> anyhow::Result<Memory>
         opened,
         wanted: s.idle_conns,
         error: err.map(|e| e.to_string()),
+        parked,
     };
     // A router that stops accepting part way (out of file descriptors: splice holds two
     // pipes per connection) still gives a per-connection figure, flagged.
