@@ -635,18 +635,12 @@ fn ping_pong(v: &Variant, s: &Settings) -> PingSample {
     let mut back = [0u8; PING_LEN];
     let mut rtt_ns = Vec::with_capacity(s.pings);
     for i in 0..s.pings_warmup + s.pings {
-        let t = Instant::now();
-        c.write_all(&msg).expect("ping write");
-        c.read_exact(&mut back).expect("pong read");
+        let ns = round_trip(&mut c, &msg, &mut back);
         if i >= s.pings_warmup {
-            rtt_ns.push(t.elapsed().as_nanos() as u64);
+            rtt_ns.push(ns);
         }
     }
-    let _ = c.shutdown(Shutdown::Write);
-    let mut scratch = [0u8; 64];
-    while let Ok(1..) = c.read(&mut scratch) {}
-    drop(c);
-    v.settle();
+    hang_up(c, v);
     let e1 = v.ebpf_stats();
 
     rtt_ns.sort_unstable();
@@ -658,6 +652,23 @@ fn ping_pong(v: &Variant, s: &Settings) -> PingSample {
         max_us: q(1.0),
         ebpf: stats_delta(&e0, &e1),
     }
+}
+
+/// One ping and its echo; nanoseconds.
+fn round_trip(c: &mut StdStream, msg: &[u8], back: &mut [u8]) -> u64 {
+    let t = Instant::now();
+    c.write_all(msg).expect("ping write");
+    c.read_exact(back).expect("pong read");
+    t.elapsed().as_nanos() as u64
+}
+
+/// Closes a ping-pong connection cleanly and waits for the proxy to finish it.
+fn hang_up(mut c: StdStream, v: &Variant) {
+    let _ = c.shutdown(Shutdown::Write);
+    let mut scratch = [0u8; 64];
+    while let Ok(1..) = c.read(&mut scratch) {}
+    drop(c);
+    v.settle();
 }
 
 /// Round trips after an idle pause: long enough for the copy to park the connection
@@ -673,16 +684,9 @@ fn after_idle(v: &Variant) -> f64 {
     let mut rtt_ns = Vec::with_capacity(WAKES);
     for _ in 0..WAKES {
         thread::sleep(IDLE_PAUSE);
-        let t = Instant::now();
-        c.write_all(&msg).expect("ping write");
-        c.read_exact(&mut back).expect("pong read");
-        rtt_ns.push(t.elapsed().as_nanos() as u64);
+        rtt_ns.push(round_trip(&mut c, &msg, &mut back));
     }
-    let _ = c.shutdown(Shutdown::Write);
-    let mut scratch = [0u8; 64];
-    while let Ok(1..) = c.read(&mut scratch) {}
-    drop(c);
-    v.settle();
+    hang_up(c, v);
     rtt_ns.sort_unstable();
     rtt_ns[rtt_ns.len() / 2] as f64 / 1e3
 }

@@ -673,6 +673,48 @@ mod tests {
         (0..n).map(|i| (i % 251) as u8).collect()
     }
 
+    /// Reads `server` until its stream pauses for 500 ms: then the copy has nothing left
+    /// to write.
+    fn read_until_pause(mut server: TcpStream) -> tokio::task::JoinHandle<Vec<u8>> {
+        tokio::spawn(async move {
+            let mut got = Vec::new();
+            let mut buf = vec![0u8; 64 * 1024];
+            while let Ok(Ok(n)) =
+                tokio::time::timeout(Duration::from_millis(500), server.read(&mut buf)).await
+            {
+                assert!(n > 0, "unexpected EOF");
+                got.extend_from_slice(&buf[..n]);
+            }
+            got
+        })
+    }
+
+    /// Polls `copier` over `down` and `up` until it stops, for at most 10 s.
+    async fn run(mut copier: Pin<&mut Copier>, down: &TcpStream, up: &TcpStream) -> Stop {
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            poll_fn(|cx| copier.as_mut().poll_copy(cx, down, up)),
+        )
+        .await
+        .expect("the copy never stopped")
+    }
+
+    /// After a move: what the server got plus what is still queued in `down`, unread, is
+    /// what was sent. `down`'s rest is read before the writer is awaited: it may be
+    /// waiting for room in that socket.
+    async fn nothing_lost(
+        mut got: Vec<u8>,
+        mut down: TcpStream,
+        writer: tokio::task::JoinHandle<TcpStream>,
+        sent: &[u8],
+    ) {
+        let mut rest = vec![0u8; sent.len() - got.len()];
+        down.read_exact(&mut rest).await.unwrap();
+        let _client = writer.await.unwrap();
+        got.extend_from_slice(&rest);
+        assert!(got == sent, "bytes lost or reordered at the move");
+    }
+
     /// The move waits while a direction holds bytes it read but could not write (its
     /// destination does not read), and once it happens, nothing was lost: what the
     /// server got plus what is still queued in the router's socket is what was sent.
@@ -681,7 +723,7 @@ mod tests {
         const SENT: usize = 4 * 1024 * 1024;
         const HELD: usize = 1024 * 1024;
         let (mut client, down) = pair().await;
-        let (mut server, up) = small_pair().await;
+        let (server, up) = small_pair().await;
         let sent = pattern(SENT);
         let writer = {
             let rest = sent[HELD..].to_vec();
@@ -707,41 +749,17 @@ mod tests {
             "the copy should hold unwritten bytes"
         );
 
-        let reader = tokio::spawn(async move {
-            let mut got = Vec::new();
-            let mut buf = vec![0u8; 64 * 1024];
-            // Reads until the stream pauses: then the copy has nothing left to write.
-            while let Ok(Ok(n)) =
-                tokio::time::timeout(Duration::from_millis(500), server.read(&mut buf)).await
-            {
-                assert!(n > 0, "unexpected EOF");
-                got.extend_from_slice(&buf[..n]);
-            }
-            got
-        });
-        let stop = tokio::time::timeout(
-            Duration::from_secs(10),
-            poll_fn(|cx| copier.as_mut().poll_copy(cx, &down, &up)),
-        )
-        .await
-        .expect("the move never came");
-        assert_eq!(stop, Stop::Move);
+        let reader = read_until_pause(server);
+        assert_eq!(run(copier.as_mut(), &down, &up).await, Stop::Move);
         let (d2u, u2d) = copier.moved();
         assert_eq!(u2d, 0);
-        let mut got = reader.await.unwrap();
+        let got = reader.await.unwrap();
         assert_eq!(got.len() as u64, d2u, "written is what the server got");
         assert_eq!(
             d2u, HELD as u64,
             "past the threshold, the copy reads no more"
         );
-        // The rest is still in the router's downstream socket, unread (read before the
-        // writer is awaited: it may be waiting for room in that socket).
-        let mut rest = vec![0u8; SENT - got.len()];
-        let mut down = down;
-        down.read_exact(&mut rest).await.unwrap();
-        let _client = writer.await.unwrap();
-        got.extend_from_slice(&rest);
-        assert!(got == sent, "bytes lost or reordered at the move");
+        nothing_lost(got, down, writer, &sent).await;
     }
 
     /// A burst queued at once (as while a connection was parked) is copied only up to
@@ -752,7 +770,7 @@ mod tests {
         const SENT: usize = 4 * 1024 * 1024;
         const THRESHOLD: u64 = 100_000;
         let (mut client, down) = pair().await;
-        let (mut server, up) = pair().await;
+        let (server, up) = pair().await;
         let sent = pattern(SENT);
         let writer = {
             let sent = sent.clone();
@@ -761,38 +779,18 @@ mod tests {
                 client
             })
         };
-        let reader = tokio::spawn(async move {
-            let mut got = Vec::new();
-            let mut buf = vec![0u8; 64 * 1024];
-            while let Ok(Ok(n)) =
-                tokio::time::timeout(Duration::from_millis(500), server.read(&mut buf)).await
-            {
-                got.extend_from_slice(&buf[..n]);
-            }
-            got
-        });
+        let reader = read_until_pause(server);
         tokio::time::sleep(Duration::from_millis(100)).await;
         let mut copier = pin!(Copier::new(Vec::new(), Limits::default(), THRESHOLD));
-        let stop = tokio::time::timeout(
-            Duration::from_secs(10),
-            poll_fn(|cx| copier.as_mut().poll_copy(cx, &down, &up)),
-        )
-        .await
-        .expect("the move never came");
-        assert_eq!(stop, Stop::Move);
+        assert_eq!(run(copier.as_mut(), &down, &up).await, Stop::Move);
         let (d2u, _) = copier.moved();
         assert!(
             (THRESHOLD..THRESHOLD + BUF_SIZE as u64).contains(&d2u),
             "moved after {d2u} bytes, threshold {THRESHOLD}"
         );
-        let mut got = reader.await.unwrap();
+        let got = reader.await.unwrap();
         assert_eq!(got.len() as u64, d2u);
-        let mut rest = vec![0u8; SENT - got.len()];
-        let mut down = down;
-        down.read_exact(&mut rest).await.unwrap();
-        let _client = writer.await.unwrap();
-        got.extend_from_slice(&rest);
-        assert!(got == sent, "bytes lost or reordered at the move");
+        nothing_lost(got, down, writer, &sent).await;
     }
 
     /// Below the threshold, a connection never moves and ends as usual.
@@ -805,13 +803,10 @@ mod tests {
         client.shutdown().await.unwrap();
         server.write_all(b"bye").await.unwrap();
         server.shutdown().await.unwrap();
-        let stop = tokio::time::timeout(
-            Duration::from_secs(5),
-            poll_fn(|cx| copier.as_mut().poll_copy(cx, &down, &up)),
-        )
-        .await
-        .unwrap();
-        assert_eq!(stop, Stop::Ended(End::Closed));
+        assert_eq!(
+            run(copier.as_mut(), &down, &up).await,
+            Stop::Ended(End::Closed)
+        );
         assert_eq!(copier.moved(), (11, 3));
         let mut got = Vec::new();
         server.read_to_end(&mut got).await.unwrap();
