@@ -90,8 +90,19 @@ fn machine() -> Value {
     let date = command_line("date", &["-u", "+%Y-%m-%dT%H:%M:%SZ"]);
     let nginx = command_line("nginx", &["-v"]);
     let haproxy = command_line("haproxy", &["-v"]);
+    let calibrated = sys::calibrate();
+    let speed = match &calibrated {
+        Ok(c) => format!(
+            "; speed: getppid {:.0} ns, pinned pipe round trip {:.1} µs",
+            c.syscall_ns, c.pipe_round_trip_us
+        ),
+        Err(e) => format!("; speed not measured ({e})"),
+    };
+    let calibration = calibrated.ok();
     json!({
-        "summary": format!("{cpus} × {model}, {mem_gib:.0} GiB, kernel {kernel}"),
+        "summary": format!("{cpus} × {model}, {mem_gib:.0} GiB, kernel {kernel}{speed}"),
+        "syscall_ns": calibration.map(|c| c.syscall_ns),
+        "pipe_round_trip_us": calibration.map(|c| c.pipe_round_trip_us),
         "date": date, "cpus": cpus, "cpu_model": model, "kernel": kernel, "mem_gib": mem_gib,
         "nginx": nginx, "haproxy": haproxy,
     })

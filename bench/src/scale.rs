@@ -59,6 +59,27 @@ pub fn metric(admin: SocketAddr, name: &str) -> Option<f64> {
     })
 }
 
+/// How long the benchmarks wait at most for the waypoint to park every idle connection
+/// (one to two times `--park-after`, default 100 ms, after its last byte): enough for a
+/// daemon given `--park-after 5s`.
+pub const PARK_WAIT: Duration = Duration::from_secs(12);
+
+/// Waits (at most `bound`) until the daemons at `admins` have parked `want` connections
+/// between them; the count last read (None: a daemon did not answer).
+pub fn wait_parked(admins: &[SocketAddr], want: usize, bound: Duration) -> Option<f64> {
+    let t = Instant::now();
+    loop {
+        let parked: Option<f64> = admins
+            .iter()
+            .map(|&a| metric(a, "waypoint_connections_parked"))
+            .sum();
+        if parked.is_none_or(|p| p >= want as f64) || t.elapsed() >= bound {
+            return parked;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
 /// Sum of the daemons' open connections (None when a daemon did not answer).
 fn active(routers: &[Router]) -> Option<f64> {
     routers
@@ -244,6 +265,8 @@ pub fn run(s: &Settings) -> anyhow::Result<(String, Value, bool)> {
     let open_s = t_open.elapsed().as_secs_f64();
     eprintln!("scale: {opened} established in {open_s:.1} s, {errors} failed");
     std::thread::sleep(Duration::from_secs(2));
+    let admins: Vec<SocketAddr> = routers.iter().filter_map(|r| r.admin).collect();
+    let parked = wait_parked(&admins, opened, PARK_WAIT);
     let rss_peak = rss_of(&routers);
     let active_peak = active(&routers);
     let per_daemon: Vec<Option<f64>> = routers
@@ -307,7 +330,7 @@ pub fn run(s: &Settings) -> anyhow::Result<(String, Value, bool)> {
          | waypoint_active_connections at the peak (sum) | {} |\n\
          | per daemon | {} |\n\
          | spot check (1 byte echoed on every 997th) | {} of {checked} ok |\n\
-         | daemons' RSS before → at the peak | {:.1} MiB → {:.1} MiB ({per_conn:.0} B per connection) |\n\
+         | daemons' RSS before → at the peak | {:.1} MiB → {:.1} MiB ({per_conn:.0} B per connection; {} parked) |\n\
          | all closed and drained | {} in {close_s:.1} s |\n\
          | daemons alive throughout | {} |\n",
         if ok { "✅ passed" } else { "❌ failed" },
@@ -325,6 +348,7 @@ pub fn run(s: &Settings) -> anyhow::Result<(String, Value, bool)> {
         checked.saturating_sub(check_failed),
         mib(rss_before),
         mib(rss_peak),
+        parked.map_or("–".into(), |p| format!("{p:.0}")),
         if drained { "yes" } else { "NO" },
         if alive { "yes" } else { "NO" },
     ));
@@ -339,6 +363,7 @@ pub fn run(s: &Settings) -> anyhow::Result<(String, Value, bool)> {
         "active_at_peak": active_peak, "active_per_daemon": per_daemon,
         "spot_checked": checked, "spot_check_failed": check_failed,
         "rss_before_bytes": rss_before, "rss_peak_bytes": rss_peak, "rss_bytes_per_conn": per_conn,
+        "parked_at_peak": parked,
         "drained": drained, "close_secs": close_s, "daemons_alive": alive, "rlimit_nofile": nofile,
         "notes": notes, "wall_secs": started.elapsed().as_secs_f64(),
     });

@@ -318,14 +318,14 @@ fn memory(s: &Settings, setup: &Setup<'_>, kind: Kind) -> anyhow::Result<Memory>
     std::thread::sleep(Duration::from_millis(300));
     let rss_before = sys::rss_tree(pid);
     let (conns, err) = load::open_idle(&r.echo, s.idle_conns);
-    // Let the router finish its per-connection work (eBPF insertion, parking idle
-    // connections after --park-after).
+    // Let the router finish its per-connection work (eBPF insertion), and the waypoint
+    // park its idle connections (one to two times --park-after after their last byte).
     std::thread::sleep(Duration::from_secs(1));
-    let rss_after = sys::rss_tree(pid);
+    let opened = conns.len();
     let parked = r
         .admin
-        .and_then(|a| crate::scale::metric(a, "waypoint_connections_parked"));
-    let opened = conns.len();
+        .and_then(|a| crate::scale::wait_parked(&[a], opened, crate::scale::PARK_WAIT));
+    let rss_after = sys::rss_tree(pid);
     drop(conns);
     r.stop();
     let m = Memory {

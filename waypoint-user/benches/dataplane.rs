@@ -674,7 +674,7 @@ fn hang_up(mut c: StdStream, v: &Variant) {
 /// Round trips after an idle pause: long enough for the copy to park the connection
 /// (`--park-after` 100 ms), so what the wake costs shows.
 const IDLE_PAUSE: Duration = Duration::from_millis(300);
-const WAKES: usize = 10;
+const WAKES: usize = 30;
 
 /// p50 of `WAKES` 64-byte round trips on one fresh connection, each after `IDLE_PAUSE`.
 fn after_idle(v: &Variant) -> f64 {
