@@ -454,6 +454,7 @@ pub fn calibrate() -> Result<Calibration, Error> {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
     use super::*;
 
     #[test]
