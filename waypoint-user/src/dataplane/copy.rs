@@ -735,8 +735,9 @@ mod tests {
         };
         // The copy starts with 1 MiB to write (as the router hands over what it read),
         // far more than fits towards the server, and the rest queued in `down`: past
-        // its threshold (0) at once, it holds bytes.
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // its threshold (0) at once, it holds bytes. Bytes queued in `down` first, so
+        // there are some it must not read.
+        down.readable().await.unwrap();
         let mut copier = pin!(Copier::new(sent[..HELD].to_vec(), Limits::default(), 0));
         let early = tokio::time::timeout(
             Duration::from_millis(300),
