@@ -17,6 +17,7 @@ use crate::{
     router::{self, Router},
     sni,
     store::{Snapshot, Store},
+    workers::{self, Workers},
 };
 
 /// Builds the dataplane the config asks for. `auto` falls back to splice, with the reason
@@ -67,8 +68,8 @@ pub struct App {
     stop: CancellationToken,
     kill: CancellationToken,
     tracker: TaskTracker,
-    /// The accept loop; it owns the tunnel listener.
-    accepting: tokio::task::JoinHandle<()>,
+    /// The tunnel workers; they own the listeners.
+    workers: Workers,
 }
 
 impl App {
@@ -161,20 +162,21 @@ impl App {
             }
         }
 
-        let listener = router::bind(config.tunnel_addr)?;
-        let tunnel_addr = listener.local_addr()?;
         let router = Arc::new(Router::new(
             config.router(),
             store.clone(),
             dataplane,
             router_metrics,
         ));
-        let accepting = tokio::spawn(router.clone().serve(
-            listener,
-            stop.clone(),
-            kill.clone(),
-            tracker.clone(),
-        ));
+        let workers = Workers::start(
+            workers::count(usize::from(config.workers)),
+            config.tunnel_addr,
+            &router,
+            &stop,
+            &kill,
+            &tracker,
+        )?;
+        let tunnel_addr = workers.local_addr();
 
         let admin = Admin::bind(config.admin_addr).await?;
         let admin_addr = admin.local_addr()?;
@@ -216,22 +218,22 @@ impl App {
             stop,
             kill,
             tracker,
-            accepting,
+            workers,
         })
     }
 
     /// Drains: not ready, stop accepting, let established connections finish until the
     /// drain deadline, then close the rest.
-    pub async fn shutdown(self) {
+    pub async fn shutdown(mut self) {
         info!(
             active = self.router.active(),
             "draining: not ready, no longer accepting"
         );
         self.ready.set(false);
         self.stop.cancel();
-        // The listener is closed once the accept loop has returned: from then on new
+        // The listeners are closed once the accept loops have returned: from then on new
         // connections go to a successor bound with SO_REUSEPORT (or are refused).
-        let _ = self.accepting.await;
+        self.workers.stopped_accepting().await;
         self.tracker.close();
         if tokio::time::timeout(self.config.drain_timeout, self.tracker.wait())
             .await
@@ -244,7 +246,19 @@ impl App {
         }
         self.kill.cancel();
         self.tracker.wait().await;
+        self.workers.join().await;
         info!("stopped");
+    }
+}
+
+impl Drop for App {
+    /// An `App` dropped without [`App::shutdown`] (a test that ends, an error path) closes
+    /// everything at once: its worker threads would otherwise keep the listeners and
+    /// connections open for the rest of the process.
+    fn drop(&mut self) {
+        self.stop.cancel();
+        self.tracker.close();
+        self.kill.cancel();
     }
 }
 

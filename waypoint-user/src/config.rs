@@ -192,6 +192,13 @@ pub struct Config {
     #[arg(long, env = "WAYPOINT_MAX_CONNECTIONS", default_value_t = 100_000)]
     pub max_connections: usize,
 
+    /// Tunnel workers: threads that each accept on their own listener on the tunnel
+    /// address (SO_REUSEPORT: the kernel spreads new connections over them) and run their
+    /// connections on a single-threaded runtime, so that a connection stays on the thread
+    /// that accepted it. 0: one per CPU this process may run on. At most 1024.
+    #[arg(long, env = "WAYPOINT_WORKERS", value_parser = clap::value_parser!(u16).range(..=1024), default_value_t = 0)]
+    pub workers: u16,
+
     /// Connections still sending their hello beyond which new ones are refused.
     #[arg(long, env = "WAYPOINT_MAX_PENDING_HANDSHAKES", default_value_t = 4096)]
     pub max_pending_handshakes: usize,
@@ -343,6 +350,7 @@ impl Config {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
     use super::*;
 
     #[test]
@@ -366,6 +374,24 @@ mod tests {
         assert!(parse_bytes("4MB").is_err());
         assert!(parse_bytes("99999999999999999999").is_err());
         assert!(parse_bytes("18446744073709551615GiB").is_err());
+    }
+
+    #[test]
+    fn workers_are_bounded() {
+        use clap::Parser as _;
+        #[derive(clap::Parser)]
+        struct Args {
+            #[command(flatten)]
+            config: Config,
+        }
+        let parse = |n: &str| Args::try_parse_from(["waypoint", "--workers", n]);
+        assert_eq!(parse("1024").unwrap().config.workers, 1024);
+        assert_eq!(parse("0").unwrap().config.workers, 0);
+        let Err(e) = parse("1025") else {
+            panic!("--workers 1025 accepted");
+        };
+        assert!(e.to_string().contains("1024"), "{e}");
+        assert!(parse("-1").is_err());
     }
 
     #[test]

@@ -67,27 +67,10 @@ pub struct Config {
     pub limits: Limits,
 }
 
-/// Errors starting the router.
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    /// The tunnel address could not be bound.
-    #[error("binding the tunnel listener on {addr}: {source}")]
-    Bind {
-        /// The address.
-        addr: SocketAddr,
-        /// The cause.
-        source: std::io::Error,
-    },
-}
-
-/// Binds the tunnel listener with a deep accept backlog.
-pub fn bind(addr: SocketAddr) -> Result<TcpListener, Error> {
-    listen(addr, 4096).map_err(|source| Error::Bind { addr, source })
-}
-
 /// A listening socket that a new daemon can bind while the old one still drains
 /// (SO_REUSEPORT, same user only): a rolling update with overlap must not fail on
-/// "address in use", and the old daemon stops accepting as soon as it drains.
+/// "address in use", and the old daemon stops accepting as soon as it drains. The tunnel
+/// listeners are bound in [`crate::workers`], the same way.
 pub(crate) fn listen(addr: SocketAddr, backlog: u32) -> std::io::Result<TcpListener> {
     let socket = if addr.is_ipv4() {
         TcpSocket::new_v4()?
@@ -131,13 +114,15 @@ struct Slot {
 }
 
 impl Slot {
-    fn take(count: &Arc<AtomicUsize>, gauge: &Gauge) -> Slot {
-        count.fetch_add(1, Ordering::SeqCst);
+    /// Takes a unit; also returns the count before it.
+    fn take(count: &Arc<AtomicUsize>, gauge: &Gauge) -> (Slot, usize) {
+        let before = count.fetch_add(1, Ordering::SeqCst);
         gauge.inc();
-        Slot {
+        let slot = Slot {
             count: count.clone(),
             gauge: gauge.clone(),
-        }
+        };
+        (slot, before)
     }
 }
 
@@ -313,24 +298,36 @@ impl Router {
         }
     }
 
+    /// Which dataplane forwards the routed connections.
+    pub fn dataplane_kind(&self) -> dataplane::Kind {
+        self.dataplane.kind()
+    }
+
     /// Routed connections open now.
     pub fn active(&self) -> usize {
         self.active.load(Ordering::SeqCst)
     }
 
-    /// Accepts until `stop` is cancelled. Connection tasks run on `tracker`; cancelling
-    /// `kill` closes the ones still open (the end of a drain).
+    /// Accepts until `stop` is cancelled, as worker number `worker`. Connection tasks run
+    /// on `tracker`, on the caller's runtime; cancelling `kill` closes the ones still open
+    /// (the end of a drain).
     pub async fn serve(
         self: Arc<Self>,
+        worker: u32,
         listener: TcpListener,
         stop: CancellationToken,
         kill: CancellationToken,
         tracker: TaskTracker,
     ) {
         if let Ok(addr) = listener.local_addr() {
-            info!(%addr, dataplane = self.dataplane.kind().as_str(), "tunnel listener accepting");
+            debug!(%addr, worker, dataplane = self.dataplane.kind().as_str(), "tunnel listener accepting");
         }
         let mut next_id: u64 = 0;
+        let accepted = self
+            .metrics
+            .accepted
+            .get_or_create(&metrics::WorkerLabel { worker })
+            .clone();
         loop {
             let (stream, peer) = tokio::select! {
                 _ = stop.cancelled() => break,
@@ -346,10 +343,15 @@ impl Router {
                     }
                 },
             };
-            let pending = self.pending.load(Ordering::SeqCst);
-            if pending >= self.config.max_pending_handshakes
-                || pending + self.active() >= self.config.max_connections
+            accepted.inc();
+            // Taken here, not in the task, so a burst of accepts cannot overshoot the
+            // limit before the tasks run; and taken before the check, so that the other
+            // workers' accept loops cannot either.
+            let (pending, before) = Slot::take(&self.pending, &self.metrics.pending);
+            if before >= self.config.max_pending_handshakes
+                || before + self.active() >= self.config.max_connections
             {
+                drop(pending);
                 self.metrics.reject("overload");
                 self.log.log("overload", peer, &"connection limit reached");
                 drop(stream);
@@ -359,9 +361,6 @@ impl Router {
             let span = tracing::info_span!("conn", id = next_id, %peer);
             let router = self.clone();
             let kill = kill.clone();
-            // Taken here, not in the task, so a burst of accepts cannot overshoot the
-            // limit before the tasks run.
-            let pending = Slot::take(&self.pending, &self.metrics.pending);
             tracker.spawn(router.handle(stream, peer, pending, kill).instrument(span));
         }
         info!("tunnel listener stopped accepting");
@@ -412,7 +411,7 @@ impl Router {
             }
         };
         drop(pending);
-        let active = Slot::take(&self.active, &self.metrics.active);
+        let (active, _) = Slot::take(&self.active, &self.metrics.active);
         self.metrics
             .handshake
             .observe(started.elapsed().as_secs_f64());

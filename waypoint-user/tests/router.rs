@@ -448,6 +448,89 @@ async fn drain_on_shutdown() {
     tokio::time::timeout(WAIT, shutdown).await.unwrap().unwrap();
 }
 
+/// `--workers 3`: three listeners share the tunnel port; the kernel spreads connections
+/// over them, each worker's connections work, and the drain waits for the connections of
+/// every worker before the daemon stops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_share_the_port_and_each_drains() {
+    let _pod = echo_pod("127.1.6.1", 15008).await;
+    let file = EndpointsFile::new(serde_json::json!([endpoint(
+        "reviews",
+        "127.1.6.1",
+        "n1",
+        true,
+        true
+    )]));
+    let app = start(
+        &file,
+        &[
+            "--dataplane",
+            "copy",
+            "--workers",
+            "3",
+            "--drain-timeout",
+            "30s",
+        ],
+    )
+    .await;
+    let (tunnel, admin) = (app.tunnel_addr, app.admin_addr);
+    let hello = hello_for("8080.reviews.bookinfo.mesh.local");
+    // Held open: 90 connections from as many source ports. The chance that one of
+    // three listeners gets none of them is 3 * (2/3)^90, about 5e-16.
+    let mut held = Vec::new();
+    for _ in 0..90 {
+        let mut c = TcpStream::connect(tunnel).await.unwrap();
+        c.write_all(&hello).await.unwrap();
+        let mut back = vec![0u8; hello.len()];
+        c.read_exact(&mut back).await.unwrap();
+        held.push(c);
+    }
+    let mut total = 0.0;
+    for worker in 0..3 {
+        let n = sample(
+            admin,
+            &format!("waypoint_connections_accepted_total{{worker=\"{worker}\"}}"),
+        )
+        .await;
+        assert!(n >= 1.0, "worker {worker} accepted no connection");
+        total += n;
+    }
+    assert_eq!(total, 90.0);
+    assert_eq!(
+        sample(admin, "waypoint_connections_accepted_total{worker=\"3\"}").await,
+        0.0
+    );
+
+    let shutdown = tokio::spawn(app.shutdown());
+    // Not accepting any more, on any listener.
+    let refused = async {
+        loop {
+            if TcpStream::connect(tunnel).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    tokio::time::timeout(WAIT, refused).await.unwrap();
+    // Every held connection still works, whichever worker runs it; the daemon stops
+    // once the last one is closed, long before the drain deadline.
+    let last = held.pop().unwrap();
+    for (i, c) in held.into_iter().enumerate() {
+        let payload = format!("during drain {i}");
+        expect_echo(c, payload.as_bytes(), payload.as_bytes()).await;
+    }
+    assert!(
+        !shutdown.is_finished(),
+        "stopped with a connection still open"
+    );
+    expect_echo(last, b"the last one", b"the last one").await;
+    tokio::time::timeout(WAIT, shutdown).await.unwrap().unwrap();
+    assert!(
+        TcpStream::connect(admin).await.is_err(),
+        "the admin server stops with the daemon"
+    );
+}
+
 /// Soft fd limit up to the hard one: 10,000 client sockets plus the test's own.
 fn raise_nofile() {
     let mut lim = libc::rlimit {

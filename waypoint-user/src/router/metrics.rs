@@ -17,6 +17,11 @@ pub(crate) struct EndLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct WorkerLabel {
+    pub(crate) worker: u32,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub(crate) struct DirectionLabel {
     pub(crate) direction: &'static str,
 }
@@ -24,6 +29,7 @@ pub(crate) struct DirectionLabel {
 /// Counters and gauges of the tunnel listener.
 #[derive(Clone, Debug)]
 pub struct Metrics {
+    pub(crate) accepted: Family<WorkerLabel, Counter>,
     pub(crate) opened: Counter,
     pub(crate) closed: Family<EndLabel, Counter>,
     pub(crate) rejected: Family<ReasonLabel, Counter>,
@@ -38,6 +44,7 @@ impl Metrics {
     /// Creates the metrics and registers them.
     pub fn new(registry: &mut Registry) -> Metrics {
         let m = Metrics {
+            accepted: Family::default(),
             opened: Counter::default(),
             closed: Family::default(),
             rejected: Family::default(),
@@ -50,6 +57,12 @@ impl Metrics {
             )),
             upstream_retries: Counter::default(),
         };
+        registry.register(
+            "connections_accepted",
+            "Connections accepted on the tunnel port, by worker (the kernel spreads them \
+             over the workers' listeners by a hash of the addresses)",
+            m.accepted.clone(),
+        );
         registry.register(
             "connections_opened",
             "Connections routed to a pod and handed to the dataplane",
