@@ -92,6 +92,9 @@ impl App {
         let stop = CancellationToken::new();
         let kill = CancellationToken::new();
         let tracker = TaskTracker::new();
+        // A start that fails half-way stops what it already started (the registry tasks,
+        // the tunnel workers' threads) instead of leaving it running in the process.
+        let (stop_on_error, kill_on_error) = (stop.clone().drop_guard(), kill.clone().drop_guard());
 
         let store = Store::new();
         let mut etcd_health = None;
@@ -207,6 +210,8 @@ impl App {
                 }
             });
         }
+        stop_on_error.disarm();
+        kill_on_error.disarm();
         Ok(App {
             store,
             router,

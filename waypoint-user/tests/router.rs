@@ -6,7 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::{
-    daemon::{echo_pod, endpoint, sample, spawn, start, status, EndpointsFile},
+    daemon::{echo_pod, endpoint, sample, spawn, start, status, try_start, EndpointsFile},
     hello::{fixture, with_server_name},
 };
 use rand::{RngCore as _, SeedableRng as _};
@@ -28,6 +28,29 @@ async fn echo_through(tunnel: std::net::SocketAddr, hello: &[u8], payload: &[u8]
     let mut want = hello.to_vec();
     want.extend_from_slice(payload);
     expect_echo(c, payload, &want).await;
+}
+
+/// Connects, sends `hello` and reads the pod's echo of it: a routed connection, open.
+async fn routed(tunnel: std::net::SocketAddr, hello: &[u8]) -> TcpStream {
+    let mut c = TcpStream::connect(tunnel).await.unwrap();
+    c.write_all(hello).await.unwrap();
+    let mut back = vec![0u8; hello.len()];
+    c.read_exact(&mut back).await.unwrap();
+    assert_eq!(back, hello);
+    c
+}
+
+/// Waits (at most `WAIT`) until connecting to `tunnel` is refused: no listener left.
+async fn until_refused(tunnel: std::net::SocketAddr) {
+    let refused = async {
+        loop {
+            if TcpStream::connect(tunnel).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    tokio::time::timeout(WAIT, refused).await.unwrap();
 }
 
 /// Sends `payload` on `c` and closes its write side, while reading to the end: expects
@@ -316,10 +339,7 @@ async fn ten_thousand_stalled_hellos() {
     .await;
     let (tunnel, admin) = (daemon.tunnel_addr, daemon.admin_addr);
     let hello = hello_for("8080.reviews.bookinfo.mesh.local");
-    let mut good = TcpStream::connect(tunnel).await.unwrap();
-    good.write_all(&hello).await.unwrap();
-    let mut back = vec![0u8; hello.len()];
-    good.read_exact(&mut back).await.unwrap();
+    let mut good = routed(tunnel, &hello).await;
 
     let mut stalled = Vec::with_capacity(10_000);
     for i in 0..10_000 {
@@ -415,10 +435,7 @@ async fn drain_on_shutdown() {
     let (tunnel, admin) = (app.tunnel_addr, app.admin_addr);
     let ready = app.ready.clone();
     let hello = hello_for("8080.reviews.bookinfo.mesh.local");
-    let mut c = TcpStream::connect(tunnel).await.unwrap();
-    c.write_all(&hello).await.unwrap();
-    let mut back = vec![0u8; hello.len()];
-    c.read_exact(&mut back).await.unwrap();
+    let mut c = routed(tunnel, &hello).await;
 
     let shutdown = tokio::spawn(app.shutdown());
     let not_ready = async {
@@ -429,15 +446,7 @@ async fn drain_on_shutdown() {
     tokio::time::timeout(WAIT, not_ready).await.unwrap();
     assert_eq!(status(admin, "/readyz").await, 503);
     // New connections are refused once the listener is gone.
-    let refused = async {
-        loop {
-            if TcpStream::connect(tunnel).await.is_err() {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    };
-    tokio::time::timeout(WAIT, refused).await.unwrap();
+    until_refused(tunnel).await;
     // The established one still works during the drain...
     c.write_all(b"during drain").await.unwrap();
     let mut b = [0u8; 12];
@@ -479,11 +488,7 @@ async fn workers_share_the_port_and_each_drains() {
     // three listeners gets none of them is 3 * (2/3)^90, about 5e-16.
     let mut held = Vec::new();
     for _ in 0..90 {
-        let mut c = TcpStream::connect(tunnel).await.unwrap();
-        c.write_all(&hello).await.unwrap();
-        let mut back = vec![0u8; hello.len()];
-        c.read_exact(&mut back).await.unwrap();
-        held.push(c);
+        held.push(routed(tunnel, &hello).await);
     }
     let mut total = 0.0;
     for worker in 0..3 {
@@ -503,15 +508,7 @@ async fn workers_share_the_port_and_each_drains() {
 
     let shutdown = tokio::spawn(app.shutdown());
     // Not accepting any more, on any listener.
-    let refused = async {
-        loop {
-            if TcpStream::connect(tunnel).await.is_err() {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    };
-    tokio::time::timeout(WAIT, refused).await.unwrap();
+    until_refused(tunnel).await;
     // Every held connection still works, whichever worker runs it; the daemon stops
     // once the last one is closed, long before the drain deadline.
     let last = held.pop().unwrap();
@@ -529,6 +526,34 @@ async fn workers_share_the_port_and_each_drains() {
         TcpStream::connect(admin).await.is_err(),
         "the admin server stops with the daemon"
     );
+}
+
+/// A start that fails after the tunnel workers are up (here: the admin address is
+/// taken) is an error, and stops the workers: nothing keeps listening on the tunnel port.
+#[tokio::test]
+async fn a_failed_start_stops_its_workers() {
+    let file = EndpointsFile::new(serde_json::json!([]));
+    // Held without SO_REUSEPORT: the admin server cannot share it.
+    let taken = std::net::TcpListener::bind("127.1.7.1:0").unwrap();
+    let admin = taken.local_addr().unwrap().to_string();
+    let tunnel: std::net::SocketAddr = "127.1.7.1:15443".parse().unwrap();
+    let Err(e) = try_start(
+        &file,
+        &[
+            "--tunnel-addr",
+            &tunnel.to_string(),
+            "--admin-addr",
+            &admin,
+            "--workers",
+            "2",
+        ],
+    )
+    .await
+    else {
+        panic!("started with its admin address taken");
+    };
+    assert!(format!("{e:#}").contains(&admin), "{e:#}");
+    until_refused(tunnel).await;
 }
 
 /// Soft fd limit up to the hard one: 10,000 client sockets plus the test's own.

@@ -59,6 +59,11 @@ pub fn endpoint(svc: &str, ip: &str, node: &str, exported: bool, ready: bool) ->
 /// Starts the daemon with `args` (the tunnel and admin addresses default to ephemeral
 /// loopback ports; the registry to `file`).
 pub async fn start(file: &EndpointsFile, args: &[&str]) -> App {
+    try_start(file, args).await.unwrap()
+}
+
+/// [`start`], returning its error.
+pub async fn try_start(file: &EndpointsFile, args: &[&str]) -> anyhow::Result<App> {
     let registry = format!("file:{}", file.0.display());
     let defaults = [
         ("--tunnel-addr", "127.0.0.1:0"),
@@ -79,7 +84,7 @@ pub async fn start(file: &EndpointsFile, args: &[&str]) -> App {
         waypoint::telemetry::init();
     }
     let config = Args::try_parse_from(argv).unwrap().config;
-    App::start(config).await.unwrap()
+    App::start(config).await
 }
 
 /// An echo "pod" at `ip:port`: writes back every byte, then half-closes after EOF.
