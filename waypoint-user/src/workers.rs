@@ -159,16 +159,6 @@ impl Workers {
         self.addr
     }
 
-    /// Number of workers.
-    pub fn len(&self) -> usize {
-        self.workers.len()
-    }
-
-    /// Always false: there is at least one worker.
-    pub fn is_empty(&self) -> bool {
-        self.workers.is_empty()
-    }
-
     /// Resolves once every worker has closed its listener (after `stop`).
     pub async fn stopped_accepting(&mut self) {
         for w in &mut self.workers {
