@@ -173,6 +173,7 @@ impl App {
         ));
         let workers = Workers::start(
             workers::count(usize::from(config.workers)),
+            config.pin_workers,
             config.tunnel_addr,
             &router,
             &stop,

@@ -172,7 +172,9 @@ pub struct Config {
     #[arg(long, env = "WAYPOINT_POD_PORT", default_value_t = 15008)]
     pub pod_port: u16,
 
-    /// Deadline for a client to send its whole ClientHello.
+    /// Deadline for a client to send its whole ClientHello, from its first bytes. (The
+    /// kernel hands over a connection once its first bytes are in, TCP_DEFER_ACCEPT, or
+    /// after about 1 s of silence; the deadline starts then.)
     #[arg(long, env = "WAYPOINT_HELLO_TIMEOUT", value_parser = parse_duration, default_value = "5s")]
     pub hello_timeout: Duration,
 
@@ -198,6 +200,15 @@ pub struct Config {
     /// that accepted it. 0: one per CPU this process may run on. At most 1024.
     #[arg(long, env = "WAYPOINT_WORKERS", value_parser = clap::value_parser!(u16).range(..=1024), default_value_t = 0)]
     pub workers: u16,
+
+    /// Pin the tunnel workers to CPUs: worker i runs only on the i-th CPU this process may
+    /// run on, and its listener takes the connections whose SYN that CPU handled
+    /// (SO_INCOMING_CPU, which SO_REUSEPORT honours since Linux 6.1). A connection then
+    /// stays on the CPU where its packets arrive, which pays most where NIC queues (RSS)
+    /// spread connections over the CPUs. Off by default: a pinned worker cannot move off
+    /// a CPU that other work keeps busy.
+    #[arg(long, env = "WAYPOINT_PIN_WORKERS")]
+    pub pin_workers: bool,
 
     /// Connections still sending their hello beyond which new ones are refused.
     #[arg(long, env = "WAYPOINT_MAX_PENDING_HANDSHAKES", default_value_t = 4096)]

@@ -418,7 +418,7 @@ impl Router {
         self.metrics.opened.inc();
         // Latency matters more than packet count for request/response traffic; the
         // dataplanes write in large chunks anyway.
-        let _ = down.set_nodelay(true);
+        // `down` has TCP_NODELAY from its listener (see workers::listen).
         let _ = up.set_nodelay(true);
         Some(Routed {
             router: self,

@@ -12,7 +12,7 @@ use std::{net::SocketAddr, sync::Arc, thread::JoinHandle};
 
 use tokio::{net::TcpListener, sync::oneshot};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
-use tracing::{info, Instrument as _};
+use tracing::{info, warn, Instrument as _};
 
 use crate::router::Router;
 
@@ -30,6 +30,9 @@ pub enum Error {
         /// The cause.
         source: std::io::Error,
     },
+    /// The CPUs this process may run on could not be read (for `pin`).
+    #[error("reading the CPUs this process may run on: {0}")]
+    Affinity(#[source] nix::Error),
     /// A worker's runtime could not be built or its thread started.
     #[error("starting tunnel worker {worker}: {source}")]
     Start {
@@ -49,9 +52,26 @@ pub fn count(requested: usize) -> usize {
     std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
 }
 
+/// How long the kernel holds a connection that has sent nothing before handing it to a
+/// worker anyway (TCP_DEFER_ACCEPT, in seconds; the hello timeout then applies).
+const DEFER_ACCEPT_SECS: libc::c_int = 1;
+
 /// A listening socket that other listeners in this process, and a new daemon while this
 /// one drains, can bind too (SO_REUSEPORT, same user only).
-fn listen(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+///
+/// Two options save work on every connection:
+/// - TCP_NODELAY here is inherited by every accepted socket (Linux copies the listener's
+///   TCP options into the child), so no `setsockopt` per connection.
+/// - TCP_DEFER_ACCEPT: the client speaks first (its ClientHello), so the kernel queues a
+///   connection for `accept` only once its first bytes are in. The worker then wakes
+///   once per connection and reads the hello at once, instead of waking for the accept,
+///   finding nothing to read (EAGAIN) and waiting again. A client that connects and
+///   stays silent costs the kernel a request socket, not a worker's pending slot, until
+///   it is handed over after [`DEFER_ACCEPT_SECS`].
+///
+/// With `cpu`, the listener asks for the connections whose SYN that CPU handled
+/// (SO_INCOMING_CPU).
+fn listen(addr: SocketAddr, cpu: Option<usize>) -> std::io::Result<std::net::TcpListener> {
     let socket = socket2::Socket::new(
         socket2::Domain::for_address(addr),
         socket2::Type::STREAM.nonblocking().cloexec(),
@@ -59,9 +79,54 @@ fn listen(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
     )?;
     socket.set_reuse_address(true)?;
     socket.set_reuse_port(true)?;
+    socket.set_tcp_nodelay(true)?;
+    set_defer_accept(&socket, DEFER_ACCEPT_SECS)?;
+    if let Some(cpu) = cpu {
+        socket.set_cpu_affinity(cpu)?;
+    }
     socket.bind(&addr.into())?;
     socket.listen(BACKLOG)?;
     Ok(socket.into())
+}
+
+/// TCP_DEFER_ACCEPT, which neither socket2 nor nix wraps.
+fn set_defer_accept(socket: &socket2::Socket, secs: libc::c_int) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd as _;
+    let len = libc::socklen_t::try_from(std::mem::size_of::<libc::c_int>())
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+    // SAFETY: the descriptor is owned by `socket`, which outlives the call; the option
+    // value points at a live c_int and `len` is its size.
+    let rc = unsafe {
+        libc::setsockopt(
+            socket.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_DEFER_ACCEPT,
+            std::ptr::from_ref(&secs).cast(),
+            len,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// The CPUs this process may run on, in order.
+fn allowed_cpus() -> Result<Vec<usize>, Error> {
+    let set =
+        nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0)).map_err(Error::Affinity)?;
+    Ok((0..nix::sched::CpuSet::count())
+        .filter(|&cpu| set.is_set(cpu).unwrap_or(false))
+        .collect())
+}
+
+/// Restricts the calling thread to `cpu`.
+fn pin_thread(cpu: usize) -> nix::Result<()> {
+    let mut set = nix::sched::CpuSet::new();
+    set.set(cpu)?;
+    // Pid 0: the calling thread.
+    nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set)
 }
 
 struct Worker {
@@ -80,9 +145,12 @@ impl Workers {
     /// Binds `n` listeners on `addr` (the first decides the port when it is 0) and starts
     /// a worker on each, serving `router` until `stop`; connection tasks are tracked by
     /// `tracker`, and a worker's thread ends once `tracker` is closed and empty. Nothing
-    /// is started when any listener or runtime fails.
+    /// is started when any listener or runtime fails. With `pin`, worker i runs on the
+    /// i-th CPU this process may run on (round robin when there are more workers than
+    /// CPUs) and takes the connections that arrive on it.
     pub fn start(
         n: usize,
+        pin: bool,
         addr: SocketAddr,
         router: &Arc<Router>,
         stop: &CancellationToken,
@@ -90,14 +158,17 @@ impl Workers {
         tracker: &TaskTracker,
     ) -> Result<Workers, Error> {
         let n = n.max(1);
-        let bind = |addr| listen(addr).map_err(|source| Error::Bind { addr, source });
-        let first = bind(addr)?;
+        let cpus = if pin { allowed_cpus()? } else { Vec::new() };
+        // None when not pinned (or, defensively, when the mask is empty).
+        let cpu_of = |worker: usize| (!cpus.is_empty()).then(|| cpus[worker % cpus.len()]);
+        let bind = |addr, cpu| listen(addr, cpu).map_err(|source| Error::Bind { addr, source });
+        let first = bind(addr, cpu_of(0))?;
         let addr = first
             .local_addr()
             .map_err(|source| Error::Bind { addr, source })?;
         let mut listeners = vec![first];
-        for _ in 1..n {
-            listeners.push(bind(addr)?);
+        for worker in 1..n {
+            listeners.push(bind(addr, cpu_of(worker))?);
         }
         // Every runtime and listener registration first, so that a failure leaves
         // nothing running.
@@ -121,9 +192,16 @@ impl Workers {
             let index = u32::try_from(worker).unwrap_or(u32::MAX);
             let (w_router, w_stop, w_kill, w_tracker) =
                 (router.clone(), stop.clone(), kill.clone(), tracker.clone());
+            let cpu = cpu_of(worker);
             let spawned = std::thread::Builder::new()
                 .name(format!("waypoint-w{worker}"))
                 .spawn(move || {
+                    if let Some(cpu) = cpu {
+                        // Still serves unpinned: slower, not wrong.
+                        if let Err(e) = pin_thread(cpu) {
+                            warn!(worker, cpu, error = %e, "could not pin the tunnel worker");
+                        }
+                    }
                     runtime.block_on(async move {
                         let span = tracing::info_span!("worker", id = worker);
                         w_router
@@ -150,7 +228,7 @@ impl Workers {
                 }
             }
         }
-        info!(workers = n, %addr, dataplane = router.dataplane_kind().as_str(), "tunnel listeners accepting");
+        info!(workers = n, pinned = pin, %addr, dataplane = router.dataplane_kind().as_str(), "tunnel listeners accepting");
         Ok(Workers { workers, addr })
     }
 
@@ -202,6 +280,38 @@ mod tests {
         assert_eq!(count(0), cpus);
     }
 
+    /// An accepted socket comes with TCP_NODELAY (the router no longer sets it) and only
+    /// once the client has sent something (TCP_DEFER_ACCEPT).
+    #[test]
+    fn accepted_sockets_have_nodelay_and_data() {
+        use std::io::{Read as _, Write as _};
+        let listener = listen("127.0.0.1:0".parse().unwrap(), None).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut client = std::net::TcpStream::connect(addr).unwrap();
+        // Connected from the client's side, but nothing sent: not acceptable yet (the
+        // kernel would hand it over after DEFER_ACCEPT_SECS, far longer than this).
+        let e = listener.accept().unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::WouldBlock, "{e}");
+        client.write_all(b"hi").unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        let (mut accepted, _) = loop {
+            match listener.accept() {
+                Ok(c) => break c,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    assert!(std::time::Instant::now() < deadline, "never accepted");
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+                Err(e) => panic!("accept: {e}"),
+            }
+        };
+        assert!(accepted.nodelay().unwrap(), "TCP_NODELAY not inherited");
+        // The bytes came with the connection: readable without waiting.
+        accepted.set_nonblocking(true).unwrap();
+        let mut buf = [0u8; 2];
+        accepted.read_exact(&mut buf).unwrap();
+        assert_eq!(&buf, b"hi");
+    }
+
     /// A port held by a socket without SO_REUSEPORT cannot be shared: a clear error, and
     /// no worker left running.
     #[tokio::test]
@@ -222,7 +332,7 @@ mod tests {
             CancellationToken::new(),
             TaskTracker::new(),
         );
-        let Err(e) = Workers::start(2, addr, &router, &stop, &kill, &tracker) else {
+        let Err(e) = Workers::start(2, false, addr, &router, &stop, &kill, &tracker) else {
             panic!("bound a port that is taken");
         };
         assert!(matches!(e, Error::Bind { .. }), "{e}");
@@ -230,6 +340,94 @@ mod tests {
         assert!(tracker.is_empty());
         // The router was never handed to a worker.
         assert_eq!(Arc::strong_count(&router), 1);
+    }
+
+    /// With `pin`, worker i runs on the i-th allowed CPU, and a connection whose SYN that
+    /// CPU handled (on loopback: the CPU the client runs on) goes to worker i.
+    #[tokio::test]
+    async fn pinned_workers_take_the_connections_of_their_cpu() {
+        use std::io::{Read as _, Write as _};
+        let cpus = allowed_cpus().unwrap();
+        let mut registry = prometheus_client::registry::Registry::default();
+        let metrics = crate::router::Metrics::new(&mut registry);
+        let router = Arc::new(Router::new(
+            test_router_config(),
+            crate::store::Store::new(),
+            Arc::new(crate::dataplane::Dataplane::Copy(
+                crate::dataplane::copy::Copy,
+            )),
+            metrics.clone(),
+        ));
+        let (stop, kill, tracker) = (
+            CancellationToken::new(),
+            CancellationToken::new(),
+            TaskTracker::new(),
+        );
+        let n = cpus.len();
+        let mut workers = Workers::start(
+            n,
+            true,
+            "127.0.0.1:0".parse().unwrap(),
+            &router,
+            &stop,
+            &kill,
+            &tracker,
+        )
+        .unwrap();
+        let addr = workers.local_addr();
+        let accepted = |worker: usize| {
+            metrics
+                .accepted
+                .get_or_create(&crate::router::metrics::WorkerLabel {
+                    worker: u32::try_from(worker).unwrap(),
+                })
+                .get()
+        };
+        for (worker, &cpu) in cpus.iter().enumerate() {
+            let before: Vec<u64> = (0..n).map(accepted).collect();
+            // Eight, so that the kernel's hash alone would be caught. Not TLS: the
+            // router rejects each and closes, after counting the accept.
+            tokio::task::spawn_blocking(move || {
+                pin_thread(cpu).unwrap();
+                for _ in 0..8 {
+                    let mut c = std::net::TcpStream::connect(addr).unwrap();
+                    c.write_all(b"not a hello").unwrap();
+                    let mut rest = Vec::new();
+                    let _ = c.read_to_end(&mut rest);
+                }
+            })
+            .await
+            .unwrap();
+            let after: Vec<u64> = (0..n).map(accepted).collect();
+            let mut expected = before.clone();
+            expected[worker] += 8;
+            assert_eq!(
+                after, expected,
+                "a connection from CPU {cpu} (worker {worker})"
+            );
+            assert!(
+                thread_pinned(&format!("waypoint-w{worker}"), cpu),
+                "worker {worker} is not pinned to CPU {cpu}"
+            );
+        }
+        stop.cancel();
+        workers.stopped_accepting().await;
+        tracker.close();
+        workers.join().await;
+    }
+
+    /// Whether a thread of this process named `name` may run only on `cpu`.
+    fn thread_pinned(name: &str, cpu: usize) -> bool {
+        std::fs::read_dir("/proc/self/task").unwrap().any(|task| {
+            let dir = task.unwrap().path();
+            let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+            let status = std::fs::read_to_string(dir.join("status")).unwrap_or_default();
+            comm.trim() == name
+                && status.lines().any(|l| {
+                    l.split_whitespace().collect::<Vec<_>>()
+                        == ["Cpus_allowed_list:", &cpu.to_string()]
+                })
+        })
     }
 
     fn test_router_config() -> crate::router::Config {
