@@ -152,6 +152,8 @@ fn compare(c: Compare) -> anyhow::Result<()> {
         pings_warmup: if quick { 500 } else { 2_000 },
         pings: if quick { 3_000 } else { 20_000 },
         setups: if quick { 300 } else { 3_000 },
+        wakes: if quick { 10 } else { 30 },
+        wake_pause: Duration::from_millis(300),
         idle_conns,
         nofile,
         kinds,

@@ -85,8 +85,9 @@ pub struct Compare {
     #[arg(long)]
     pub seconds: Option<f64>,
     /// Only these figures, comma-separated: bulk (throughput and CPU per GB), latency
-    /// (ping-pong), setup (new connections), memory (idle connections). For profiling one
-    /// figure; the report leaves the others empty.
+    /// (ping-pong), setup (new connections), memory (idle connections), wake (round
+    /// trips after 300 ms idle). For profiling one figure; the report leaves the others
+    /// empty.
     #[arg(long, value_delimiter = ',', value_enum)]
     pub figures: Option<Vec<Figure>>,
 }
@@ -98,10 +99,18 @@ pub enum Figure {
     Latency,
     Setup,
     Memory,
+    /// Round trips after an idle pause (what waking an idle connection costs).
+    Wake,
 }
 
 impl Figure {
-    pub const ALL: [Figure; 4] = [Figure::Bulk, Figure::Latency, Figure::Setup, Figure::Memory];
+    pub const ALL: [Figure; 5] = [
+        Figure::Bulk,
+        Figure::Latency,
+        Figure::Setup,
+        Figure::Memory,
+        Figure::Wake,
+    ];
 }
 
 #[derive(Debug, clap::Args)]

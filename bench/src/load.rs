@@ -248,6 +248,25 @@ pub fn ping_pong(t: &Target, warmup: usize, n: usize) -> Result<Latency, Error> 
     Ok(Latency::of(rtt))
 }
 
+/// `n` round trips of 64 B on one connection, each after `pause` idle: long enough for
+/// a router that parks idle connections (the waypoint's `--park-after`, 100 ms) to have
+/// parked it, so what waking it costs shows.
+pub fn after_idle(t: &Target, pause: Duration, n: usize) -> Result<Latency, Error> {
+    let mut c = open(t, &[])?;
+    let msg = [0x42_u8; PING_LEN];
+    let mut back = [0u8; PING_LEN];
+    let mut rtt = Vec::with_capacity(n);
+    for _ in 0..n {
+        thread::sleep(pause);
+        let start = Instant::now();
+        c.write_all(&msg).map_err(io("ping", t))?;
+        c.read_exact(&mut back).map_err(io("pong", t))?;
+        rtt.push(start.elapsed().as_nanos() as u64);
+    }
+    close(c);
+    Ok(Latency::of(rtt))
+}
+
 /// Connection setup: `n` sequential connections, each connect + hello + one byte echoed,
 /// then closed. Returns the latency of each and connections per second.
 pub fn setup(t: &Target, servers: &Servers, n: usize) -> Result<(Latency, f64), Error> {

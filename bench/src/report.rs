@@ -123,6 +123,16 @@ pub fn figures(run: &Run) -> Vec<Figure> {
             move |r| r.setup[slot].iter().map(|(_, rate)| *rate).collect(),
         ));
     }
+    let pause = run.settings.wake_pause.as_millis();
+    for (k, label, q) in &quantiles[..2] {
+        let q = *q;
+        f.push(Figure::new(
+            format!("wake_{k}_us"),
+            format!("64 B round trip after {pause} ms idle {label}, unpinned, µs"),
+            1,
+            move |r| r.wake.iter().map(q).collect(),
+        ));
+    }
     f.push(Figure::new(
         "rss_bytes_per_idle_conn",
         format!(
@@ -380,13 +390,15 @@ pub fn markdown(run: &Run, machine: &Value) -> String {
     );
     let _ = writeln!(
         out,
-        "- {} repetition(s), each figure median (min–max); bulk {} s after {} ms warm-up; ping-pong {} round trips after {}; setup {} sequential connections; memory: {} idle connections on a fresh router; pinned: every process on CPU {}",
+        "- {} repetition(s), each figure median (min–max); bulk {} s after {} ms warm-up; ping-pong {} round trips after {}; setup {} sequential connections; wake: {} round trips, each after {} ms idle; memory: {} idle connections on a fresh router; pinned: every process on CPU {}",
         s.reps,
         s.duration.as_secs_f64(),
         s.warmup.as_millis(),
         s.pings,
         s.pings_warmup,
         s.setups,
+        s.wakes,
+        s.wake_pause.as_millis(),
         s.idle_conns,
         s.pin_cpu
     );
@@ -505,6 +517,7 @@ pub fn json(run: &Run, machine: &Value) -> Value {
         "settings": {
             "reps": s.reps, "bulk_secs": s.duration.as_secs_f64(), "bulk_warmup_secs": s.warmup.as_secs_f64(),
             "bulk_conns": s.bulk_conns, "pings": s.pings, "pings_warmup": s.pings_warmup,
+            "wakes": s.wakes, "wake_pause_ms": s.wake_pause.as_millis(),
             "ping_bytes": crate::load::PING_LEN, "setups": s.setups, "idle_conns": s.idle_conns,
             "pin_cpu": s.pin_cpu, "hello": "replayed rustls 0.23 ClientHello, X25519MLKEM768 + X25519 key shares",
             "hello_bytes": crate::hello::len(),
@@ -536,6 +549,7 @@ pub fn json(run: &Run, machine: &Value) -> Value {
                     "ping_unpinned": r.ping[0].iter().map(latency_json).collect::<Vec<_>>(),
                     "ping_pinned": r.ping[1].iter().map(latency_json).collect::<Vec<_>>(),
                     "setup_unpinned": r.setup[0].iter().map(|(l, rate)| json!({"latency": latency_json(l), "conn_per_s": rate})).collect::<Vec<_>>(),
+                    "wake_unpinned": r.wake.iter().map(latency_json).collect::<Vec<_>>(),
                     "setup_pinned": r.setup[1].iter().map(|(l, rate)| json!({"latency": latency_json(l), "conn_per_s": rate})).collect::<Vec<_>>(),
                     "memory": r.memory.iter().map(|m| json!({
                         "rss_before_bytes": m.rss_before, "rss_after_bytes": m.rss_after,

@@ -26,6 +26,9 @@ pub struct Settings {
     pub pings_warmup: usize,
     pub pings: usize,
     pub setups: usize,
+    /// Round trips of the wake figure, each after `wake_pause` idle.
+    pub wakes: usize,
+    pub wake_pause: Duration,
     pub idle_conns: usize,
     /// RLIMIT_NOFILE of this process and the routers.
     pub nofile: u64,
@@ -78,6 +81,8 @@ pub struct Results {
     pub ping: [Vec<Latency>; 2],
     /// [unpinned, pinned]: latency and connections per second.
     pub setup: [Vec<(Latency, f64)>; 2],
+    /// Round trips after an idle pause, unpinned.
+    pub wake: Vec<Latency>,
     pub memory: Vec<Memory>,
     pub errors: Vec<String>,
 }
@@ -138,6 +143,7 @@ pub fn run(s: Settings, servers: &Servers) -> anyhow::Result<Run> {
             bulk: vec![Vec::new(); s.bulk_conns.len()],
             ping: [Vec::new(), Vec::new()],
             setup: [Vec::new(), Vec::new()],
+            wake: Vec::new(),
             memory: Vec::new(),
             errors: Vec::new(),
         })
@@ -253,7 +259,7 @@ fn measure(
         }
     }
     for (slot, pinned) in [(0, false), (1, true)] {
-        if !s.wants(Figure::Latency) && !s.wants(Figure::Setup) {
+        if !s.wants(Figure::Latency) && !s.wants(Figure::Setup) && !s.wants(Figure::Wake) {
             break;
         }
         if pinned {
@@ -270,6 +276,23 @@ fn measure(
             }
         }
         let label = if pinned { "pinned" } else { "unpinned" };
+        if !pinned && s.wants(Figure::Wake) {
+            match load::after_idle(&r.echo, s.wake_pause, s.wakes) {
+                Ok(l) => {
+                    eprintln!(
+                        "[rep {rep}] {name:<8} round trip after {} ms idle: p50 {:.1} µs, p99 {:.1}",
+                        s.wake_pause.as_millis(),
+                        l.p50,
+                        l.p99
+                    );
+                    out.wake.push(l);
+                }
+                Err(e) => {
+                    eprintln!("[rep {rep}] {name:<8} wake FAILED: {e}");
+                    out.errors.push(format!("rep {rep} wake: {e}"));
+                }
+            }
+        }
         if s.wants(Figure::Latency) {
             match load::ping_pong(&r.echo, s.pings_warmup, s.pings) {
                 Ok(l) => {

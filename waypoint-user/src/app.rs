@@ -43,10 +43,8 @@ pub fn choose_dataplane(config: &Config) -> anyhow::Result<Dataplane> {
         requested = config.dataplane.as_str(),
         "dataplane chosen"
     );
-    if !config.park_after.is_zero() && dp.kind() != Kind::Splice {
-        // Its failure is logged; connections then stay in tokio while idle.
-        crate::dataplane::start_parking();
-    }
+    // No process parker: connections run on the tunnel workers' single-threaded
+    // runtimes, and each starts its own parker at its first idle connection.
     Ok(dp)
 }
 

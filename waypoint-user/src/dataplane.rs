@@ -143,23 +143,23 @@ pub struct Parking {
     pub failures: u64,
 }
 
-/// Starts the process's parker (an epoll set, an eventfd and a thread) now, rather than
-/// at the first idle connection, so that its descriptors are there from the start.
-/// False if it cannot start: then no connection is parked (logged).
+/// Starts the process's parker (an epoll set, an eventfd and a thread), which serves
+/// connections off single-threaded runtimes, now rather than at the first idle
+/// connection, so that its descriptors are there from the start. False if it cannot
+/// start: then no such connection is parked (logged). (A single-threaded runtime, such
+/// as a tunnel worker's, starts its own parker at its first parking.)
 pub fn start_parking() -> bool {
-    park::Parker::get().is_some()
+    park::Parker::process().is_some()
 }
 
-/// The parked connections' counts; all zero before the first parking.
+/// The parked connections' counts over every parker; all zero before the first parking.
 pub fn parking() -> Parking {
-    park::Parker::started().map_or_else(Parking::default, |p| {
-        let (parked, parks, failures) = p.counts();
-        Parking {
-            parked,
-            parks,
-            failures,
-        }
-    })
+    let (parked, parks, failures) = park::counts();
+    Parking {
+        parked,
+        parks,
+        failures,
+    }
 }
 
 /// The dataplane chosen at start.

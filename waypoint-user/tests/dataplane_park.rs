@@ -4,6 +4,9 @@
 //! dataplane's copy phase (which then still moves into the kernel). Needs root for the
 //! eBPF runs (CI is root); never skipped.
 //!
+//! Each on a work-stealing runtime (the process's parker and its thread) and on a
+//! single-threaded one (the runtime's own parker, as on a tunnel worker).
+//!
 //! The parker's counts are process-wide, so the tests of this binary take turns.
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 mod common;
@@ -43,6 +46,16 @@ macro_rules! both {
                 }
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn ebpf() {
+                    super::$name(waypoint::dataplane::Kind::Ebpf).await
+                }
+                // A single-threaded runtime, as a tunnel worker runs: the runtime's own
+                // parker, driven by its reactor, instead of the process's thread.
+                #[tokio::test]
+                async fn copy_one_thread() {
+                    super::$name(waypoint::dataplane::Kind::Copy).await
+                }
+                #[tokio::test]
+                async fn ebpf_one_thread() {
                     super::$name(waypoint::dataplane::Kind::Ebpf).await
                 }
             }
