@@ -542,8 +542,19 @@ mod tests {
         assert!(!Arc::ptr_eq(&first, &process));
         assert!(first.driven.load(Relaxed));
         drop(rt);
-        // Its driving task went with the runtime: nothing may park there any more.
+        // Its driving task went with the runtime: nothing may park there any more. A
+        // parking there fails, gives the sockets back and is counted.
         assert!(!first.driven.load(Relaxed));
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (s, _) = l.accept().unwrap();
+        let failures = counts().2;
+        let Err((e, back)) = first.park([c, s], None) else {
+            panic!("parked on a parker nothing drives");
+        };
+        assert!(e.to_string().contains("not running"), "{e}");
+        assert_eq!(back.len(), 2);
+        assert!(counts().2 > failures);
         let next = one().block_on(async { Parker::get().unwrap() });
         assert!(!Arc::ptr_eq(&first, &next));
 
