@@ -72,7 +72,9 @@ pub struct Compare {
     #[arg(long)]
     pub reps: Option<usize>,
     /// Only these routers, comma-separated: direct, ebpf, splice, copy, nginx, haproxy.
-    /// Ratios need direct and nginx.
+    /// Ratios need direct and nginx. Also `tc-rewrite`, an experiment never run by
+    /// default: packets rewritten at lo's TC ingress (bench/experiments/tcp-rewrite;
+    /// needs clang and libbpf-dev; bulk, latency and wake figures only).
     #[arg(long, value_delimiter = ',')]
     pub only: Option<Vec<String>>,
     /// Idle connections held for the memory figure (default 10000, or 1000 with --quick).

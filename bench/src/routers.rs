@@ -13,6 +13,7 @@ use std::{
 };
 
 use crate::{
+    cli::Figure,
     hello,
     procs::{self, Group},
     servers::{Servers, ANSWER},
@@ -64,6 +65,10 @@ pub enum Kind {
     Copy,
     Nginx,
     Haproxy,
+    /// Experiment, not a product: `experiments/tcp-rewrite` (a Python SNI proxy whose
+    /// connections are spliced by rewriting packet headers at lo's TC ingress). Only
+    /// with `--only tc-rewrite`; see docs/PERFORMANCE.md.
+    TcRewrite,
 }
 
 impl Kind {
@@ -84,11 +89,21 @@ impl Kind {
             Kind::Copy => "copy",
             Kind::Nginx => "nginx",
             Kind::Haproxy => "haproxy",
+            Kind::TcRewrite => "tc-rewrite",
         }
     }
 
     pub fn parse(s: &str) -> Option<Kind> {
-        Kind::ALL.into_iter().find(|k| k.name() == s)
+        Kind::ALL
+            .into_iter()
+            .chain([Kind::TcRewrite])
+            .find(|k| k.name() == s)
+    }
+
+    /// Whether `figure` measures this router. The experiment's setup and memory would
+    /// measure its Python proxy, not the splice, so it has neither.
+    pub fn measures(self, figure: Figure) -> bool {
+        self != Kind::TcRewrite || !matches!(figure, Figure::Setup | Figure::Memory)
     }
 
     /// A waypoint dataplane (the rows the goals apply to).
@@ -167,6 +182,7 @@ impl Router {
         let (cmd, admin) = match kind {
             Kind::Nginx => (nginx(setup, listen)?, None),
             Kind::Haproxy => (haproxy(setup, listen)?, None),
+            Kind::TcRewrite => (tc_rewrite(setup, listen), None),
             _ => {
                 let admin = SocketAddr::new(listen.ip(), free_port()?);
                 (waypoint(kind, setup, listen, admin)?, Some(admin))
@@ -235,6 +251,12 @@ impl Router {
     pub fn stop(&mut self) {
         if let Some(g) = self.group.as_mut() {
             g.stop();
+        }
+        if self.kind == Kind::TcRewrite {
+            // The group dies by SIGKILL, so the proxy cannot detach its program itself.
+            let _ = Command::new("tc")
+                .args(["filter", "del", "dev", "lo", "ingress", "prio", "7"])
+                .output();
         }
     }
 }
@@ -329,6 +351,16 @@ fn waypoint(
     Ok(cmd)
 }
 
+fn tc_rewrite(setup: &Setup<'_>, listen: SocketAddr) -> Command {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("experiments/tcp-rewrite/proxy.py");
+    let mut cmd = Command::new("python3");
+    cmd.arg(script)
+        .arg(listen.to_string())
+        .arg(setup.servers.echo_addr().to_string())
+        .arg(setup.servers.sink_addr().to_string());
+    cmd
+}
+
 fn nginx(setup: &Setup<'_>, listen: SocketAddr) -> Result<Command, Error> {
     let s = setup.servers;
     let dir = setup.dir.display();
@@ -420,4 +452,24 @@ backend sink
     // -db: stay in the foreground, no daemon.
     cmd.arg("-db").arg("-f").arg(path);
     Ok(cmd)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_experiment_is_only_run_by_name_and_without_setup_or_memory() {
+        assert_eq!(Kind::parse("tc-rewrite"), Some(Kind::TcRewrite));
+        assert!(!Kind::ALL.contains(&Kind::TcRewrite));
+        assert!(!Kind::TcRewrite.is_waypoint());
+        for f in Figure::ALL {
+            let expected = !matches!(f, Figure::Setup | Figure::Memory);
+            assert_eq!(Kind::TcRewrite.measures(f), expected, "{f:?}");
+            assert!(Kind::Ebpf.measures(f), "{f:?}");
+        }
+        for k in Kind::ALL {
+            assert_eq!(Kind::parse(k.name()), Some(k));
+        }
+    }
 }

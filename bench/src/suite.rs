@@ -171,7 +171,7 @@ pub fn run(s: Settings, servers: &Servers) -> anyhow::Result<Run> {
             measure(&s, servers, r, out, rep, me, hz);
         }
         for (kind, out) in s.kinds.iter().zip(results.iter_mut()) {
-            if *kind == Kind::Direct || !s.wants(Figure::Memory) {
+            if *kind == Kind::Direct || !s.wants(Figure::Memory) || !kind.measures(Figure::Memory) {
                 continue;
             }
             match memory(&s, &mem_setup, *kind) {
@@ -308,7 +308,7 @@ fn measure(
                 }
             }
         }
-        if s.wants(Figure::Setup) {
+        if s.wants(Figure::Setup) && r.kind.measures(Figure::Setup) {
             match load::setup(&r.echo, servers, s.setups) {
                 Ok((l, rate)) => {
                     eprintln!(
