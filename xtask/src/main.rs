@@ -82,9 +82,11 @@ struct CompareArgs {
     #[arg(long)]
     reps: Option<usize>,
     /// Only these routers, comma-separated: direct, ebpf, splice, copy, nginx, haproxy.
+    /// Also tc-rewrite, an experiment never run by default (bench/experiments/tcp-rewrite;
+    /// needs clang and libbpf-dev).
     #[arg(long)]
     only: Option<String>,
-    /// Only these figures, comma-separated: bulk, latency, setup, memory.
+    /// Only these figures, comma-separated: bulk, latency, setup, memory, wake.
     #[arg(long)]
     figures: Option<String>,
     /// Output directory (default <target>/bench).
