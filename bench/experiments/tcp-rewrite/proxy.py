@@ -12,6 +12,7 @@ mode, B gets only the pod's acknowledgement of the hello (diverted to it) and is
 frozen too; both are closed silently when the proxy exits.
 """
 import ctypes
+import fcntl
 import os
 import signal
 import socket
@@ -178,7 +179,6 @@ def handle(a, map_fd, echo, sink):
         deadline = time.monotonic() + 2
         buf = ctypes.c_int(0)
         while time.monotonic() < deadline:
-            import fcntl
             fcntl.ioctl(b.fileno(), SIOCOUTQ, buf)
             if buf.value == 0:
                 break
