@@ -19,6 +19,12 @@ pub const SLOTS_MAP: &str = "SLOTS";
 pub const FLOWS_MAP: &str = "FLOWS";
 /// Name of the per-CPU array of verdict statistics, indexed by [`Stat`].
 pub const STATS_MAP: &str = "STATS";
+/// Name of the ring buffer through which the verdict tells the daemon that a spliced
+/// socket has bytes for it to read (see [`Signal`]).
+pub const SIGNALS_MAP: &str = "SIGNALS";
+/// Size of [`SIGNALS_MAP`] in bytes (a power of two, whole pages): 16,384 records of 16
+/// bytes (the kernel's 8-byte header and a [`Signal`]).
+pub const SIGNALS_BYTES: u32 = 256 * 1024;
 /// Name of the SK_SKB stream verdict program.
 pub const VERDICT_PROG: &str = "waypoint_verdict";
 
@@ -85,6 +91,23 @@ pub struct Flow {
     pub _pad: u32,
 }
 
+/// A ring-buffer record: the socket in flow slot `slot` has bytes for userspace, and
+/// userspace had read everything before. The daemon waits for these instead of waiting
+/// for its spliced sockets to turn readable: the kernel wakes readers of a spliced socket
+/// after every segment, also one it redirected away, so a spliced connection would
+/// wake its thread once per segment.
+///
+/// One record per switch from redirecting to passing, not per passed segment: while
+/// userspace holds bytes it reads the socket anyway.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Signal {
+    /// The socket's slot in [`FLOWS_MAP`].
+    pub slot: u32,
+    /// Explicit padding (records are 8-byte aligned).
+    pub _pad: u32,
+}
+
 /// Indexes of the verdict program's per-CPU statistics.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -113,10 +136,13 @@ pub enum Stat {
     /// it trims in one pass, or no memory to pull the head): userspace drops the repeat
     /// (see [`Flow::skip_at`]).
     PassedRepeat = 9,
+    /// Signals (see [`Signal`]) that did not fit into the full ring buffer. The daemon
+    /// then wakes every waiting connection to look for itself.
+    SignalLost = 10,
 }
 
 /// Number of entries in the statistics array.
-pub const STAT_COUNT: u32 = 10;
+pub const STAT_COUNT: u32 = 11;
 
 impl Stat {
     /// Every statistic, in index order.
@@ -131,6 +157,7 @@ impl Stat {
         Stat::DroppedDuplicate,
         Stat::TrimFailed,
         Stat::PassedRepeat,
+        Stat::SignalLost,
     ];
 
     /// A short label for metrics.
@@ -146,6 +173,7 @@ impl Stat {
             Stat::DroppedDuplicate => "dropped_duplicate",
             Stat::TrimFailed => "trim_failed",
             Stat::PassedRepeat => "passed_repeat",
+            Stat::SignalLost => "signal_lost",
         }
     }
 }

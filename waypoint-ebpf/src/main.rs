@@ -24,10 +24,10 @@ use aya_ebpf::{
     },
     helpers::{bpf_get_socket_cookie, bpf_probe_read_kernel},
     macros::{map, stream_verdict},
-    maps::{Array, HashMap, PerCpuArray, SockHash},
+    maps::{Array, HashMap, PerCpuArray, RingBuf, SockHash},
     programs::SkBuffContext,
 };
-use waypoint_common::{Flow, Stat, DEFAULT_MAX_SOCKETS, STAT_COUNT};
+use waypoint_common::{Flow, Signal, Stat, DEFAULT_MAX_SOCKETS, SIGNALS_BYTES, STAT_COUNT};
 
 #[map]
 static PEERS: SockHash<u64> = SockHash::with_max_entries(DEFAULT_MAX_SOCKETS, 0);
@@ -41,6 +41,10 @@ static SLOTS: HashMap<u64, u32> = HashMap::with_max_entries(DEFAULT_MAX_SOCKETS,
 // Mapped into the daemon's memory: it writes budgets and reads counters without syscalls.
 #[map]
 static FLOWS: Array<Flow> = Array::with_max_entries(DEFAULT_MAX_SOCKETS, BPF_F_MMAPABLE);
+
+// Tells the daemon which sockets started passing bytes (see `waypoint_common::Signal`).
+#[map]
+static SIGNALS: RingBuf = RingBuf::with_byte_size(SIGNALS_BYTES, 0);
 
 #[map]
 static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(STAT_COUNT, 0);
@@ -81,6 +85,24 @@ fn count(stat: Stat) {
     }
 }
 
+/// Passes `len` bytes to userspace, and tells it so if it had read everything before:
+/// userspace does not wait for its spliced sockets to turn readable (see
+/// `waypoint_common::Signal`). Counting first, so that a woken reader sees the bytes
+/// counted (the kernel queues them right after the verdict returns).
+#[inline(always)]
+fn pass(flow: &mut Flow, slot: u32, consumed: u64, len: u64, stat: Stat) -> u32 {
+    let first = flow.passed == consumed;
+    flow.passed += len;
+    count(stat);
+    if first {
+        let signal = Signal { slot, _pad: 0 };
+        if SIGNALS.output::<Signal>(&signal, 0).is_err() {
+            count(Stat::SignalLost);
+        }
+    }
+    SK_PASS
+}
+
 #[inline(always)]
 fn verdict(ctx: &SkBuffContext) -> u32 {
     let len = u64::from(ctx.len());
@@ -116,6 +138,10 @@ fn verdict(ctx: &SkBuffContext) -> u32 {
         count(Stat::PassedUnknown);
         return SK_PASS;
     }
+    // SAFETY: a read of a field of the valid record above; userspace writes it at any
+    // time, and it only grows. An old value makes a pass look like the first one (an
+    // extra signal) or not (userspace is reading then anyway).
+    let consumed = unsafe { core::ptr::read_volatile(&flow.consumed) };
     // SAFETY: a read of a plain global; volatile so the loader's value is used.
     let seq_offset = unsafe { core::ptr::read_volatile(&SKB_SEQ_OFFSET) };
     let len = if seq_offset == 0 {
@@ -130,21 +156,15 @@ fn verdict(ctx: &SkBuffContext) -> u32 {
             Trim::Skip(kept) => {
                 // Userspace drops the repeat as it reads; from here on everything is
                 // passed until it has caught up, as after any pass.
-                flow.passed += u64::from(kept);
-                count(Stat::PassedRepeat);
-                return SK_PASS;
+                return pass(flow, slot, consumed, u64::from(kept), Stat::PassedRepeat);
             }
         }
     };
-    // SAFETY: reads of fields of the valid record above. Userspace raises `consumed` and
-    // `credit` separately; either order of seeing the two is safe, because both only grow:
-    // an old `consumed` fails the ordering check, an old `credit` is the smaller bound.
-    let (consumed, credit) = unsafe {
-        (
-            core::ptr::read_volatile(&flow.consumed),
-            core::ptr::read_volatile(&flow.credit),
-        )
-    };
+    // SAFETY: a read of a field of the valid record above. Userspace raises `consumed`
+    // and `credit` separately; either order of seeing the two is safe, because both only
+    // grow: an old `consumed` fails the ordering check, an old `credit` is the smaller
+    // bound.
+    let credit = unsafe { core::ptr::read_volatile(&flow.credit) };
 
     if flow.passed != consumed {
         // Userspace still holds bytes that came before this segment.
@@ -153,9 +173,7 @@ fn verdict(ctx: &SkBuffContext) -> u32 {
         return SK_PASS;
     }
     if flow.redirected + len > credit {
-        flow.passed += len;
-        count(Stat::PassedBudget);
-        return SK_PASS;
+        return pass(flow, slot, consumed, len, Stat::PassedBudget);
     }
     // Flags 0: to the peer's egress (its TCP send path), not its receive queue.
     let action = PEERS.redirect_skb(ctx, cookie, 0);
@@ -166,9 +184,7 @@ fn verdict(ctx: &SkBuffContext) -> u32 {
     } else {
         // The helper's failure is SK_DROP. Dropping would lose bytes the sender already
         // saw ACKed, so keep them here for userspace instead.
-        flow.passed += len;
-        count(Stat::PassedNoPeer);
-        SK_PASS
+        pass(flow, slot, consumed, len, Stat::PassedNoPeer)
     }
 }
 

@@ -355,6 +355,7 @@ impl Config {
             bulk_send_buffer: usize::try_from(self.bulk_send_buffer).unwrap_or(usize::MAX),
             max_sockets: self.max_sockets,
             splice_after: self.splice_after,
+            ..dataplane::ebpf::Config::default()
         }
     }
 }

@@ -17,11 +17,14 @@ pub mod ebpf;
 mod flows;
 mod park;
 mod send_buffer;
+mod signals;
 pub mod splice;
+mod watch;
 
 use std::{
     future::Future,
     io,
+    os::fd::AsFd,
     pin::{pin, Pin},
     time::{Duration, Instant},
 };
@@ -262,13 +265,13 @@ pub(crate) fn classify_write_error(e: io::Error) -> DirEnd {
 }
 
 /// Makes the next close of `sock` send RST instead of FIN (SO_LINGER with zero timeout).
-pub(crate) fn abort_on_close(sock: &TcpStream) {
+pub(crate) fn abort_on_close(sock: &impl AsFd) {
     // Failure only means the peer sees FIN instead of RST; nothing better to do.
     let _ = socket2::SockRef::from(sock).set_linger(Some(Duration::ZERO));
 }
 
 /// Shuts the write side of `sock` (sends FIN after everything queued).
-pub(crate) fn shutdown_write(sock: &TcpStream) -> io::Result<()> {
+pub(crate) fn shutdown_write(sock: &impl AsFd) -> io::Result<()> {
     match socket2::SockRef::from(sock).shutdown(std::net::Shutdown::Write) {
         // The peer already went away: its reset is reported by the other direction.
         Err(e) if e.kind() == io::ErrorKind::NotConnected => Ok(()),
@@ -289,8 +292,8 @@ pub(crate) fn shutdown_write(sock: &TcpStream) -> io::Result<()> {
 /// in this future (as the argument, and pinned), which was a third of the memory of an
 /// idle connection.
 pub(crate) async fn drive<A, B>(
-    downstream: &TcpStream,
-    upstream: &TcpStream,
+    downstream: &impl AsFd,
+    upstream: &impl AsFd,
     limits: Limits,
     mut down_to_up: Pin<&mut A>,
     mut up_to_down: Pin<&mut B>,

@@ -9,6 +9,8 @@ use prometheus_client::{
     registry::Registry,
 };
 
+use waypoint_common::Stat;
+
 use crate::dataplane::Dataplane;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -22,6 +24,11 @@ struct ActionLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SignalLabel {
+    signal: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct PathLabel {
     path: &'static str,
 }
@@ -32,8 +39,9 @@ pub struct Metrics {
     dataplane: Arc<Dataplane>,
     ebpf_segments: Family<ActionLabel, Counter>,
     ebpf_connections: Family<PathLabel, Counter>,
+    ebpf_signals: Family<SignalLabel, Counter>,
     // Last totals read from the dataplane, to turn them into counter increments: the
-    // verdict's statistics, then the connections moved and fallen back.
+    // verdict's statistics, then the connections moved and fallen back, then the signals.
     ebpf_seen: Mutex<Vec<u64>>,
     parked: Gauge,
     parks: Counter,
@@ -58,6 +66,7 @@ impl Metrics {
         );
         let ebpf_segments = Family::<ActionLabel, Counter>::default();
         let ebpf_connections = Family::<PathLabel, Counter>::default();
+        let ebpf_signals = Family::<SignalLabel, Counter>::default();
         if matches!(*dataplane, Dataplane::Ebpf(_)) {
             registry.register(
                 "ebpf_segments",
@@ -71,6 +80,13 @@ impl Metrics {
                  enter it (half-closed, maps full) and were copied to the end, moved ones \
                  included",
                 ebpf_connections.clone(),
+            );
+            registry.register(
+                "ebpf_signals",
+                "The verdict's signals that a quiet spliced socket has bytes for the daemon: \
+                 read = taken from the ring buffer; lost = dropped by a full ring; sweeps = \
+                 times every waiting connection was woken to look for itself after a loss",
+                ebpf_signals.clone(),
             );
         }
         let parked = Gauge::default();
@@ -96,6 +112,7 @@ impl Metrics {
             dataplane,
             ebpf_segments,
             ebpf_connections,
+            ebpf_signals,
             ebpf_seen: Mutex::new(Vec::new()),
             parked,
             parks,
@@ -113,9 +130,15 @@ impl Metrics {
     pub fn render(&self) -> String {
         if let Dataplane::Ebpf(e) = &*self.dataplane {
             let mut seen = self.ebpf_seen.lock().unwrap_or_else(|p| p.into_inner());
-            let segments = e.stats();
-            let n = segments.len();
-            for (i, (stat, total)) in segments.into_iter().enumerate() {
+            let stats = e.stats();
+            let n = stats.len();
+            let mut lost = 0;
+            for (i, (stat, total)) in stats.into_iter().enumerate() {
+                // A lost signal is not a segment of its own: its segment is counted too.
+                if stat == Stat::SignalLost {
+                    lost = total;
+                    continue;
+                }
                 let counter = self.ebpf_segments.get_or_create(&ActionLabel {
                     action: stat.label(),
                 });
@@ -125,6 +148,12 @@ impl Metrics {
             for (j, (path, total)) in connections.into_iter().enumerate() {
                 let counter = self.ebpf_connections.get_or_create(&PathLabel { path });
                 inc_to(&counter, &mut seen, n + j, total);
+            }
+            let (read, sweeps) = e.signals();
+            let signals = [("read", read), ("lost", lost), ("sweeps", sweeps)];
+            for (j, (signal, total)) in signals.into_iter().enumerate() {
+                let counter = self.ebpf_signals.get_or_create(&SignalLabel { signal });
+                inc_to(&counter, &mut seen, n + 2 + j, total);
             }
         }
         let p = crate::dataplane::parking();

@@ -21,7 +21,8 @@
 
 use std::{
     future::Future,
-    io,
+    io::{self, Write as _},
+    net::TcpStream as StdTcpStream,
     os::fd::{AsFd, AsRawFd},
     pin::pin,
     sync::{
@@ -32,23 +33,28 @@ use std::{
 };
 
 use aya::{
-    maps::{HashMap, MapData, PerCpuArray, SockHash},
+    maps::{HashMap, MapData, PerCpuArray, RingBuf, SockHash},
     programs::SkSkb,
     Ebpf as Loaded, EbpfLoader,
 };
 use futures::{future::Either, FutureExt as _};
-use nix::sys::socket::{setsockopt, sockopt};
+use nix::sys::{
+    epoll::EpollFlags,
+    socket::{setsockopt, sockopt},
+};
 use tokio::net::TcpStream;
 use tracing::{debug, info, trace, warn};
 use waypoint_common::{
-    Stat, FLOWS_MAP, PEERS_MAP, SKB_SEQ_OFFSET, SKB_SK_OFFSET, SLOTS_MAP, STATS_MAP,
+    Stat, FLOWS_MAP, PEERS_MAP, SIGNALS_MAP, SKB_SEQ_OFFSET, SKB_SK_OFFSET, SLOTS_MAP, STATS_MAP,
     TCP_COPIED_SEQ_OFFSET, VERDICT_PROG,
 };
 
 use super::flows::{self, Budget, FlowCell, FlowRef, FlowTable};
 use super::send_buffer::DrainProbe;
+use super::signals::{self, Signals};
+use super::watch::Watch;
 use super::{
-    btf, classify_read_error, classify_write_error,
+    abort_on_close, btf, classify_read_error, classify_write_error,
     copy::{copy, write_all, Copied},
     drive, shutdown_write, DirEnd, End, Limits, Outcome,
 };
@@ -80,7 +86,9 @@ const PASS_BUFFER: usize = 256 * 1024;
 const REFRESH_INTERVAL: Duration = Duration::from_millis(1);
 
 /// Refreshes in a row that found nothing new before a direction stops refreshing; the
-/// next segment that the verdict passes wakes it again.
+/// verdict's next signal wakes it again. Each refresh also looks for passed bytes, which
+/// covers a pass that raced the direction's catching up and sent no signal (see
+/// `signals.rs`).
 const IDLE_REFRESHES: u32 = 8;
 
 /// `TCP_CLOSE` from include/net/tcp_states.h: the state of a reset or aborted socket.
@@ -114,6 +122,11 @@ pub struct Config {
     /// this many bytes, and only then moved into the SockHash: a psock costs more than a
     /// short connection gains from the kernel path. 0 moves every connection at once.
     pub splice_after: u64,
+    /// Size in bytes of the ring through which the verdict wakes quiet connections (a
+    /// power of two and a multiple of the page size; see `signals.rs`). A record is 16
+    /// bytes; a full ring loses records, and the daemon then wakes every waiting
+    /// connection instead.
+    pub signal_ring_bytes: u32,
 }
 
 impl Default for Config {
@@ -124,6 +137,7 @@ impl Default for Config {
             bulk_send_buffer: DEFAULT_BULK_SEND_BUFFER,
             max_sockets: waypoint_common::DEFAULT_MAX_SOCKETS,
             splice_after: DEFAULT_SPLICE_AFTER,
+            signal_ring_bytes: waypoint_common::SIGNALS_BYTES,
         }
     }
 }
@@ -167,6 +181,9 @@ pub enum Error {
     /// The flow records could not be set up.
     #[error(transparent)]
     Flows(#[from] flows::Error),
+    /// The thread that reads the verdict's signals could not be started.
+    #[error(transparent)]
+    Signals(#[from] signals::Error),
     /// A socket option failed.
     #[error("socket setup: {0}")]
     Io(#[from] io::Error),
@@ -213,6 +230,8 @@ pub struct Ebpf {
     peers: Mutex<SockHash<MapData, u64>>,
     flows: FlowTable,
     stats: PerCpuArray<MapData, u64>,
+    /// Wakes spliced connections that have bytes to read (see `signals.rs`).
+    signals: Arc<Signals>,
     fallbacks: AtomicU64,
     handovers: AtomicU64,
     // Owns the program and its attachment to the SockHash.
@@ -276,6 +295,7 @@ impl Ebpf {
             .map_max_entries(PEERS_MAP, config.max_sockets)
             .map_max_entries(SLOTS_MAP, config.max_sockets)
             .map_max_entries(FLOWS_MAP, config.max_sockets)
+            .map_max_entries(SIGNALS_MAP, config.signal_ring_bytes)
             .override_global(SKB_SEQ_OFFSET, &o.skb_seq, true)
             .override_global(SKB_SK_OFFSET, &o.skb_sk, true)
             .override_global(TCP_COPIED_SEQ_OFFSET, &o.tcp_copied_seq, true)
@@ -295,15 +315,29 @@ impl Ebpf {
             return Err(map_error(FLOWS_MAP, "not an array"));
         };
         let flows = FlowTable::new(flows, slots, config.max_sockets)?;
-        let stats: PerCpuArray<MapData, u64> = take(&mut loaded, STATS_MAP)?
+        let aya::maps::Map::PerCpuArray(stats) = take(&mut loaded, STATS_MAP)? else {
+            return Err(map_error(STATS_MAP, "not a per-CPU array"));
+        };
+        // A second handle for the signal thread, which reads the count of lost signals.
+        let stats_fd = stats.fd().as_fd().try_clone_to_owned()?;
+        let signal_stats: PerCpuArray<MapData, u64> = aya::maps::Map::PerCpuArray(
+            MapData::from_fd(stats_fd).map_err(|e| map_error(STATS_MAP, e))?,
+        )
+        .try_into()
+        .map_err(|e| map_error(STATS_MAP, e))?;
+        let stats: PerCpuArray<MapData, u64> = aya::maps::Map::PerCpuArray(stats)
             .try_into()
             .map_err(|e| map_error(STATS_MAP, e))?;
+        let ring: RingBuf<MapData> = take(&mut loaded, SIGNALS_MAP)?
+            .try_into()
+            .map_err(|e| map_error(SIGNALS_MAP, e))?;
         let prog: &mut SkSkb = loaded
             .program_mut(VERDICT_PROG)
             .ok_or_else(|| map_error("program", "stream verdict missing from the object"))?
             .try_into()?;
         prog.load()?;
         prog.attach(peers.fd())?;
+        let signals = Signals::start(ring, signal_stats)?;
         info!(
             max_inflight = config.max_inflight,
             socket_buffer = ?config.socket_buffer,
@@ -319,6 +353,7 @@ impl Ebpf {
             peers: Mutex::new(peers),
             flows,
             stats,
+            signals,
             fallbacks: AtomicU64::new(0),
             handovers: AtomicU64::new(0),
             _loaded: loaded,
@@ -359,9 +394,15 @@ impl Ebpf {
             .collect()
     }
 
+    /// Signals read from the verdict's ring, and times every waiting connection was woken
+    /// because some were lost (see `signals.rs`).
+    pub fn signals(&self) -> (u64, u64) {
+        (self.signals.received(), self.signals.sweeps())
+    }
+
     /// See [`super::Dataplane::forward`].
     ///
-    /// The kernel phase ([`Ebpf::splice`], about 2.1 KB of state) is boxed: inline, it
+    /// The kernel phase ([`Ebpf::splice`], about 2.6 KB of state in a debug build) is boxed: inline, it
     /// would size every connection's task, and most connections (short or idle ones)
     /// never leave the copy.
     ///
@@ -552,6 +593,27 @@ impl Ebpf {
             return outcome;
         };
         let (down_base, up_base) = (down_tcp.bytes, up_tcp.bytes);
+        let Some([down_slot, up_slot]) = reg.slots() else {
+            return Err(Error::Io(io::Error::other("flow records vanished")));
+        };
+        // Out of tokio's reactor, which would wake this thread at every segment (see
+        // `watch.rs`). On failure both sockets close with a reset: bytes may be lost.
+        let downstream = downstream.into_std()?;
+        let upstream = match upstream.into_std() {
+            Ok(u) => u,
+            Err(e) => {
+                abort_on_close(&downstream);
+                return Err(e.into());
+            }
+        };
+        let watch = match Watch::new([downstream.as_fd(), upstream.as_fd()]) {
+            Ok(w) => w,
+            Err(e) => {
+                abort_on_close(&downstream);
+                abort_on_close(&upstream);
+                return Err(e.into());
+            }
+        };
 
         let d2u_user = AtomicU64::new(0);
         let u2d_user = AtomicU64::new(0);
@@ -559,6 +621,9 @@ impl Ebpf {
             dp: self,
             src: &downstream,
             flow: down_flow,
+            slot: down_slot,
+            watch: &watch,
+            side: 0,
             dst: &upstream,
             dst_base: up_base,
             user_bytes: &d2u_user,
@@ -572,6 +637,9 @@ impl Ebpf {
             dp: self,
             src: &upstream,
             flow: up_flow,
+            slot: up_slot,
+            watch: &watch,
+            side: 1,
             dst: &downstream,
             dst_base: down_base,
             user_bytes: &u2d_user,
@@ -646,6 +714,12 @@ impl Ebpf {
         Ok(outcome)
     }
 
+    /// Stops the signal thread from reading the ring, or lets it go on.
+    #[cfg(test)]
+    fn pause_signals(&self, paused: bool) {
+        self.signals.pause(paused);
+    }
+
     /// Connections served by the userspace copy because a socket could not enter the
     /// SockHash (already half-closed when routed).
     pub fn fallbacks(&self) -> u64 {
@@ -657,6 +731,12 @@ impl Ebpf {
     /// [`Ebpf::fallbacks`] as well; connections that end below the threshold in neither.
     pub fn handovers(&self) -> u64 {
         self.handovers.load(Relaxed)
+    }
+}
+
+impl Drop for Ebpf {
+    fn drop(&mut self) {
+        self.signals.stop();
     }
 }
 
@@ -736,6 +816,11 @@ impl<'a> Registration<'a> {
         Some(cells)
     }
 
+    /// The flow slots of the downstream and the upstream (None without records).
+    fn slots(&self) -> Option<[u32; 2]> {
+        self.flows.as_ref().map(|[d, u]| [d.slot(), u.slot()])
+    }
+
     /// Takes the sockets out of the SockHash: the verdict no longer runs for them.
     fn detach(&mut self) {
         for (c, inserted) in self.cookies.iter().zip(&mut self.inserted) {
@@ -758,10 +843,16 @@ impl Drop for Registration<'_> {
 /// One direction of a spliced connection: bytes arriving on `src` go to `dst`.
 struct Direction<'a> {
     dp: &'a Ebpf,
-    src: &'a TcpStream,
+    src: &'a StdTcpStream,
     /// src's record: the verdict's budget for src, and its counters.
     flow: &'a FlowCell,
-    dst: &'a TcpStream,
+    /// src's slot, as the verdict's signals name it.
+    slot: u32,
+    /// Both sockets' readiness.
+    watch: &'a Watch<'a>,
+    /// src's index in `watch` (dst's is the other).
+    side: usize,
+    dst: &'a StdTcpStream,
     /// `handed(dst)` before anything was sent.
     dst_base: u64,
     /// Bytes userspace wrote to `dst` (initial bytes and passed segments).
@@ -787,7 +878,7 @@ impl Direction<'_> {
 
     async fn run_inner(&self, initial: Vec<u8>) -> Result<DirEnd, DirEnd> {
         if !initial.is_empty() {
-            write_all(self.dst, &initial)
+            self.write_all(&initial)
                 .await
                 .map_err(classify_write_error)?;
             self.user_bytes.fetch_add(initial.len() as u64, Relaxed);
@@ -814,7 +905,7 @@ impl Direction<'_> {
             let refreshing = quiet_refreshes < IDLE_REFRESHES;
             tokio::select! {
                 biased;
-                r = self.src.readable() => {
+                r = self.readable(budget.consumed) => {
                     r.map_err(classify_read_error)?;
                     if self.forward_passed(&mut buf, &mut budget).await? {
                         return self.finish(&mut buf, &mut budget).await;
@@ -839,6 +930,52 @@ impl Direction<'_> {
         }
     }
 
+    /// Waits until src has bytes the verdict passed, or hangs up. Never for a segment the
+    /// verdict redirected: the kernel wakes src's readers for those too (see `watch.rs`).
+    async fn readable(&self, consumed: u64) -> io::Result<()> {
+        let behind = || self.flow.counters().passed != consumed;
+        if behind() {
+            // The verdict counts a segment just before the kernel queues it.
+            self.watch.wait(self.side, EpollFlags::EPOLLIN).await?;
+            return Ok(());
+        }
+        // Nothing passed: only a signal from the verdict, a FIN or a reset matter now.
+        self.watch.unwant(self.side, EpollFlags::EPOLLIN)?;
+        tokio::select! {
+            biased;
+            () = self.dp.signals.wait(self.slot, behind) => Ok(()),
+            r = self.watch.wait(self.side, EpollFlags::EPOLLRDHUP) => r.map(drop),
+        }
+    }
+
+    /// Writes all of `bytes` to dst, waiting for room as needed.
+    async fn write_all(&self, mut bytes: &[u8]) -> io::Result<()> {
+        let dst_side = 1 - self.side;
+        let mut waited = false;
+        let written = loop {
+            if bytes.is_empty() {
+                break Ok(());
+            }
+            match (&*self.dst).write(bytes) {
+                Ok(0) => break Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => bytes = &bytes[n..],
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    waited = true;
+                    if let Err(e) = self.watch.wait(dst_side, EpollFlags::EPOLLOUT).await {
+                        break Err(e);
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => break Err(e),
+            }
+        };
+        if waited {
+            // Writable is dst's usual state: watching for it would report every ack.
+            self.watch.unwant(dst_side, EpollFlags::EPOLLOUT)?;
+        }
+        written
+    }
+
     /// Reads what the verdict passed and forwards it. Returns true at EOF.
     async fn forward_passed(&self, buf: &mut Vec<u8>, budget: &mut Budget) -> Result<bool, DirEnd> {
         let mut synced = false;
@@ -847,7 +984,7 @@ impl Direction<'_> {
             if buf.capacity() < PASS_BUFFER {
                 buf.reserve_exact(PASS_BUFFER);
             }
-            let n = match self.src.try_read_buf(buf) {
+            let n = match read_spare(self.src, buf) {
                 Ok(0) => return Ok(true),
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
@@ -879,9 +1016,7 @@ impl Direction<'_> {
             }
             for part in [&buf[..skip.start], &buf[skip.end..n]] {
                 if !part.is_empty() {
-                    write_all(self.dst, part)
-                        .await
-                        .map_err(classify_write_error)?;
+                    self.write_all(part).await.map_err(classify_write_error)?;
                 }
             }
             self.user_bytes.fetch_add((n - skip.len()) as u64, Relaxed);
@@ -1040,8 +1175,8 @@ struct Handed {
     state: u8,
 }
 
-fn handed(sock: &TcpStream) -> io::Result<Handed> {
-    let fd = sock.as_raw_fd();
+fn handed(sock: &impl AsFd) -> io::Result<Handed> {
+    let fd = sock.as_fd().as_raw_fd();
     // TCP_INFO first, SIOCOUTQ second: acks between the two calls move bytes out of the
     // queue after bytes_acked was read, so the sum can only understate.
     let info = tcp_info(sock)?;
@@ -1068,7 +1203,7 @@ fn handed(sock: &TcpStream) -> io::Result<Handed> {
 /// `graceful` end (both sides get a FIN) dst's write side is shut first: that fences the
 /// backlog worker, whose send in progress completes under the socket lock and whose later
 /// sends fail, so the figure read next is final. Call only after the verdict is detached.
-fn delivered(dst: &TcpStream, base: u64, counted: u64, graceful: bool) -> u64 {
+fn delivered(dst: &impl AsFd, base: u64, counted: u64, graceful: bool) -> u64 {
     if graceful {
         // ENOTCONN after a reset: nothing left to fence.
         let _ = shutdown_write(dst);
@@ -1089,7 +1224,7 @@ fn delivered(dst: &TcpStream, base: u64, counted: u64, graceful: bool) -> u64 {
 
 /// [`handed`], read until no ack moved bytes between its two syscalls, so that the
 /// figure is exact rather than a lower bound (a few tries; acks stop once dst is idle).
-fn handed_settled(dst: &TcpStream) -> io::Result<Handed> {
+fn handed_settled(dst: &impl AsFd) -> io::Result<Handed> {
     let mut h = handed(dst)?;
     for _ in 0..8 {
         let acked = tcp_info(dst)?.tcpi_bytes_acked;
@@ -1146,6 +1281,16 @@ fn drain_queued(sock: &TcpStream, buf: &mut Vec<u8>) -> io::Result<bool> {
         }
     }
     Ok(false)
+}
+
+/// Reads from `sock` into the spare capacity of `buf` (which must have some), without
+/// zeroing it first, and extends `buf` by what was read.
+fn read_spare(sock: &StdTcpStream, buf: &mut Vec<u8>) -> io::Result<usize> {
+    let spare = buf.spare_capacity_mut();
+    let n = socket2::SockRef::from(sock).recv(spare)?;
+    // SAFETY: recv initialised the first `n` bytes of the spare capacity.
+    unsafe { buf.set_len(buf.len() + n) };
+    Ok(n)
 }
 
 /// Rounds of [`settle`]: each forwards what arrived during the previous one.
@@ -1206,10 +1351,10 @@ fn write_now(sock: &TcpStream, buf: &[u8]) -> usize {
 }
 
 /// Bytes queued on `sock` for reading (FIONREAD).
-fn queued(sock: &TcpStream) -> io::Result<usize> {
+fn queued(sock: &impl AsFd) -> io::Result<usize> {
     let mut n: libc::c_int = 0;
     // SAFETY: FIONREAD writes one int through the pointer; the fd is open.
-    let rc = unsafe { libc::ioctl(sock.as_raw_fd(), libc::FIONREAD, &mut n) };
+    let rc = unsafe { libc::ioctl(sock.as_fd().as_raw_fd(), libc::FIONREAD, &mut n) };
     if rc == 0 {
         Ok(usize::try_from(n).unwrap_or(0))
     } else {
@@ -1243,7 +1388,7 @@ fn set_rcvlowat(sock: &TcpStream) -> io::Result<()> {
 /// `TCP_ESTABLISHED` from include/net/tcp_states.h.
 const TCP_ESTABLISHED: u8 = 1;
 
-fn tcp_info(sock: &TcpStream) -> io::Result<libc::tcp_info> {
+fn tcp_info(sock: &impl AsFd) -> io::Result<libc::tcp_info> {
     // SAFETY: tcp_info is plain old data; zeroed is a valid value.
     let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
@@ -1251,7 +1396,7 @@ fn tcp_info(sock: &TcpStream) -> io::Result<libc::tcp_info> {
     // the sizes given.
     let rc = unsafe {
         libc::getsockopt(
-            sock.as_raw_fd(),
+            sock.as_fd().as_raw_fd(),
             libc::IPPROTO_TCP,
             libc::TCP_INFO,
             (&raw mut info).cast(),
@@ -1384,6 +1529,84 @@ mod tests {
         assert_eq!(&got, b"world");
         assert_eq!(down_flow.counters().redirected, 5);
         drop(reg);
+    }
+
+    /// Signals that a full ring lost do not leave their connections waiting: the signal
+    /// thread sees the verdict's count of lost signals grow and wakes every waiting
+    /// connection. Needs root; never skipped.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn lost_signals_wake_every_waiting_connection() {
+        // SAFETY: geteuid has no preconditions.
+        assert_eq!(unsafe { libc::geteuid() }, 0, "needs root (eBPF)");
+        // More connections than a one-page ring holds records (4096 / 16).
+        const CONNS: usize = 400;
+        let dp = Arc::new(
+            Ebpf::load(Config {
+                splice_after: 0,
+                // Every segment trips the budget: each first one is signalled.
+                max_inflight: 1,
+                signal_ring_bytes: 4096,
+                ..Config::default()
+            })
+            .expect("the eBPF dataplane loads"),
+        );
+        let mut ends = Vec::new();
+        let mut tasks = Vec::new();
+        for _ in 0..CONNS {
+            let (client, down) = pair().await;
+            let (up, server) = pair().await;
+            let limits = Limits {
+                idle_timeout: Duration::from_secs(3600),
+                ..Limits::default()
+            };
+            tasks.push(tokio::spawn(dp.forward(down, up, Vec::new(), limits)));
+            ends.push((client, server));
+        }
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while dp.map_counts().peers < 2 * CONNS {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .expect("every connection enters the SockHash");
+        // Let every direction settle into its wait for a signal.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+
+        dp.pause_signals(true);
+        for (client, _) in &mut ends {
+            client.write_all(&[5u8; 64]).await.unwrap();
+        }
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while stat(&dp, Stat::SignalLost) == 0 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .expect("the full ring loses signals");
+        dp.pause_signals(false);
+
+        // Within 3 s: the connections' own idle-check timers (every 5 s with these
+        // limits) would wake them too, and must not be what did.
+        let woken = Instant::now() + Duration::from_secs(3);
+        for (i, (_, server)) in ends.iter_mut().enumerate() {
+            let mut got = [0u8; 64];
+            tokio::time::timeout_at(woken.into(), server.read_exact(&mut got))
+                .await
+                .unwrap_or_else(|_| panic!("connection {i} was not woken"))
+                .unwrap();
+            assert_eq!(got, [5u8; 64]);
+        }
+        let (_, sweeps) = dp.signals();
+        assert!(sweeps >= 1, "the loss was seen");
+        println!(
+            "{} signals lost, {} read, {sweeps} sweeps",
+            stat(&dp, Stat::SignalLost),
+            dp.signals().0
+        );
+        drop(ends);
+        for t in tasks {
+            t.await.unwrap().unwrap();
+        }
     }
 
     /// With every flow slot taken, a new connection is counted as a fallback and

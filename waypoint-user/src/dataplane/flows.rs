@@ -298,6 +298,11 @@ impl<'a> FlowRef<'a> {
     pub fn cell(&self) -> &'a FlowCell {
         self.table.cell(self.slot)
     }
+
+    /// The record's index in the FLOWS array, as the verdict's signals name it.
+    pub fn slot(&self) -> u32 {
+        self.slot
+    }
 }
 
 impl Drop for FlowRef<'_> {

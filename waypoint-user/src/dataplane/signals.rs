@@ -1,0 +1,243 @@
+//! Wake-ups for spliced sockets, sent by the verdict.
+//!
+//! A spliced connection must not wait for its sockets to turn readable: since Linux 6.4
+//! the kernel wakes a spliced socket's readers after every segment the verdict handles,
+//! including those it redirected away (`sk_psock_verdict_data_ready` calls the saved
+//! `data_ready`). A connection in tokio's reactor would wake its worker thread once per
+//! segment, about once per request and once per response, for nothing.
+//!
+//! So the verdict says itself when a socket has bytes for userspace: when it passes a
+//! segment and userspace had read everything before, it writes a
+//! [`waypoint_common::Signal`] (the socket's flow slot) into a ring buffer. One thread
+//! reads the ring and wakes the task waiting on that slot ([`Signals::wait`]).
+//!
+//! **No lost wake-ups.** A waiting task checks the flow's counters after registering its
+//! waker and at every poll, so a signal that comes before the wait starts is not needed.
+//! The verdict decides "first pass" from `consumed` as it last read it, so a pass that
+//! races userspace's catching up sends no signal; the direction then still refreshes its
+//! credit every millisecond for a while after each catch-up (see `ebpf.rs`), and each of
+//! those polls checks the counters. A full ring drops signals: the verdict counts
+//! [`Stat::SignalLost`], and the thread, which reads that count every
+//! [`LOSS_CHECK`], then wakes every waiting task to look for itself.
+
+use std::{
+    collections::HashMap,
+    future::Future,
+    io,
+    os::fd::AsFd,
+    pin::Pin,
+    sync::{
+        atomic::{AtomicBool, AtomicU64, Ordering::Relaxed},
+        Arc, Mutex, MutexGuard,
+    },
+    task::{Context, Poll, Waker},
+    time::Duration,
+};
+
+use aya::maps::{MapData, PerCpuArray, RingBuf};
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use tracing::{debug, warn};
+use waypoint_common::Stat;
+
+/// How often the thread checks whether the verdict lost signals (and notices that the
+/// dataplane was dropped).
+const LOSS_CHECK: Duration = Duration::from_millis(100);
+
+/// Errors starting the signal thread.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The thread could not be spawned.
+    #[error("starting the eBPF signal thread: {0}")]
+    Thread(#[source] io::Error),
+}
+
+/// The tasks waiting for a signal, by flow slot, and the thread's counters.
+pub(super) struct Signals {
+    waiters: Mutex<HashMap<u32, Waker>>,
+    /// Set when the dataplane is dropped: the thread exits.
+    stop: AtomicBool,
+    /// Records read from the ring.
+    received: AtomicU64,
+    /// Times the thread woke every waiting task because signals were lost.
+    sweeps: AtomicU64,
+    /// Tests stop the thread from reading the ring, to fill it.
+    #[cfg(test)]
+    paused: AtomicBool,
+    /// Set by the thread once it honours `paused`.
+    #[cfg(test)]
+    idle: AtomicBool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every critical section is one map operation: a panic cannot leave it half-done.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Signals {
+    /// Starts the thread that reads `ring`; `stats` is a handle on the verdict's
+    /// statistics, for [`Stat::SignalLost`].
+    pub fn start(
+        ring: RingBuf<MapData>,
+        stats: PerCpuArray<MapData, u64>,
+    ) -> Result<Arc<Signals>, Error> {
+        let signals = Arc::new(Signals {
+            waiters: Mutex::new(HashMap::new()),
+            stop: AtomicBool::new(false),
+            received: AtomicU64::new(0),
+            sweeps: AtomicU64::new(0),
+            #[cfg(test)]
+            paused: AtomicBool::new(false),
+            #[cfg(test)]
+            idle: AtomicBool::new(false),
+        });
+        let s = signals.clone();
+        std::thread::Builder::new()
+            .name("waypoint-signals".into())
+            .spawn(move || s.run(ring, stats))
+            .map_err(Error::Thread)?;
+        Ok(signals)
+    }
+
+    /// Makes the thread exit (within [`LOSS_CHECK`]).
+    pub fn stop(&self) {
+        self.stop.store(true, Relaxed);
+    }
+
+    /// Stops the thread from reading the ring, or lets it go on. Returns once the thread
+    /// honours a pause (it may be in a wait of up to [`LOSS_CHECK`]).
+    #[cfg(test)]
+    pub fn pause(&self, paused: bool) {
+        self.paused.store(paused, Relaxed);
+        while paused && !self.idle.load(Relaxed) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// Records read from the ring so far.
+    pub fn received(&self) -> u64 {
+        self.received.load(Relaxed)
+    }
+
+    /// Times every waiting task was woken because signals were lost.
+    pub fn sweeps(&self) -> u64 {
+        self.sweeps.load(Relaxed)
+    }
+
+    fn run(&self, mut ring: RingBuf<MapData>, stats: PerCpuArray<MapData, u64>) {
+        let lost = || -> u64 {
+            stats
+                .get(&(Stat::SignalLost as u32), 0)
+                .map(|v| v.iter().sum())
+                .unwrap_or(0)
+        };
+        let mut lost_seen = lost();
+        let timeout = PollTimeout::try_from(LOSS_CHECK).unwrap_or(PollTimeout::NONE);
+        let mut wakers = Vec::new();
+        while !self.stop.load(Relaxed) {
+            #[cfg(test)]
+            {
+                let paused = self.paused.load(Relaxed);
+                self.idle.store(paused, Relaxed);
+                if paused {
+                    std::thread::sleep(Duration::from_millis(1));
+                    continue;
+                }
+            }
+            let mut fds = [PollFd::new(ring.as_fd(), PollFlags::POLLIN)];
+            let mut sweep = false;
+            match poll(&mut fds, timeout) {
+                Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+                Err(e) => {
+                    // Cannot wait for records: wake every waiting task at the check's pace
+                    // instead, so that none hangs.
+                    warn!(error = %e, "polling the eBPF signal ring failed");
+                    std::thread::sleep(LOSS_CHECK);
+                    sweep = true;
+                }
+            }
+            {
+                let mut waiters = lock(&self.waiters);
+                while let Some(record) = ring.next() {
+                    self.received.fetch_add(1, Relaxed);
+                    let Some(slot) = record.get(..4).and_then(|b| b.try_into().ok()) else {
+                        continue;
+                    };
+                    wakers.extend(waiters.remove(&u32::from_ne_bytes(slot)));
+                }
+            }
+            let now_lost = lost();
+            if now_lost != lost_seen {
+                lost_seen = now_lost;
+                debug!(
+                    lost = now_lost,
+                    "signals lost: waking every waiting connection"
+                );
+                sweep = true;
+            }
+            if sweep {
+                self.sweeps.fetch_add(1, Relaxed);
+                wakers.extend(lock(&self.waiters).drain().map(|(_, w)| w));
+            }
+            // Outside the lock: a woken task may register again at once.
+            wakers.drain(..).for_each(Waker::wake);
+        }
+    }
+
+    /// Resolves once `ready` returns true: checked at every poll, after the task's waker
+    /// is registered for slot `slot`'s signals. `ready` must turn true before the signal
+    /// is sent (the verdict counts a passed segment before it signals).
+    pub fn wait<F: Fn() -> bool>(&self, slot: u32, ready: F) -> Wait<'_, F> {
+        Wait {
+            signals: self,
+            slot,
+            ready,
+            registered: false,
+        }
+    }
+}
+
+/// See [`Signals::wait`]. Unregisters on drop.
+pub(super) struct Wait<'a, F> {
+    signals: &'a Signals,
+    slot: u32,
+    ready: F,
+    registered: bool,
+}
+
+impl<F> Wait<'_, F> {
+    fn unregister(&mut self) {
+        if std::mem::take(&mut self.registered) {
+            lock(&self.signals.waiters).remove(&self.slot);
+        }
+    }
+}
+
+impl<F: Fn() -> bool + Unpin> Future for Wait<'_, F> {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let this = self.get_mut();
+        {
+            let mut waiters = lock(&this.signals.waiters);
+            match waiters.get_mut(&this.slot) {
+                Some(w) if w.will_wake(cx.waker()) => {}
+                Some(w) => w.clone_from(cx.waker()),
+                None => {
+                    waiters.insert(this.slot, cx.waker().clone());
+                }
+            }
+        }
+        this.registered = true;
+        if (this.ready)() {
+            this.unregister();
+            return Poll::Ready(());
+        }
+        Poll::Pending
+    }
+}
+
+impl<F> Drop for Wait<'_, F> {
+    fn drop(&mut self) {
+        self.unregister();
+    }
+}
