@@ -90,6 +90,8 @@ impl<'a> Watch<'a> {
             mask |= EpollFlags::EPOLLRDHUP;
         }
         loop {
+            // A wake-up that brings only other events must not loop without yielding.
+            tokio::task::consume_budget().await;
             {
                 let mut st = lock(&self.state);
                 let got = st.pending[i] & mask;
