@@ -1589,8 +1589,14 @@ mod tests {
         })
         .await
         .expect("every connection enters the SockHash");
-        // Let every direction settle into its wait for a signal.
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // Every direction of every connection waits for a signal.
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while dp.signals.waiting() < 2 * CONNS {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .expect("every direction waits for a signal");
 
         dp.pause_signals(true);
         for (client, _) in &mut ends {

@@ -113,6 +113,12 @@ impl Signals {
         }
     }
 
+    /// Tasks waiting for a signal now.
+    #[cfg(test)]
+    pub fn waiting(&self) -> usize {
+        lock(&self.waiters).len()
+    }
+
     /// Records read from the ring so far.
     pub fn received(&self) -> u64 {
         self.received.load(Relaxed)
