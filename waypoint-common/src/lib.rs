@@ -178,10 +178,143 @@ impl Stat {
     }
 }
 
+/// Name of the TC classifier that splices same-host connections by rewriting packet
+/// headers (see [`Rewrite`]).
+pub const REWRITE_PROG: &str = "waypoint_rewrite";
+/// Name of the hash map from a packet's 4-tuple ([`RewriteKey`]) to its [`Rewrite`].
+pub const REWRITES_MAP: &str = "REWRITES";
+/// Name of the per-CPU array of the rewrite program's statistics, by [`RewriteStat`].
+pub const REWRITE_STATS_MAP: &str = "REWRITE_STATS";
+/// Default capacity of [`REWRITES_MAP`]: two entries per spliced connection.
+pub const DEFAULT_MAX_REWRITES: u32 = 65_536;
+/// Signal slots at and above this value name rewritten connections, below it flow
+/// slots of the SockHash splice (both share [`SIGNALS_MAP`]).
+pub const REWRITE_SLOT_BASE: u32 = 0x8000_0000;
+
+/// A TCP/IPv4 packet's 4-tuple, every field in network byte order as in the packet.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct RewriteKey {
+    /// Source address.
+    pub saddr: u32,
+    /// Destination address.
+    pub daddr: u32,
+    /// Source port.
+    pub sport: u16,
+    /// Destination port.
+    pub dport: u16,
+}
+
+/// One direction of a connection spliced by rewriting headers: the packets the client
+/// sends to the waypoint's accepted socket (A) leave as if the waypoint's socket to the
+/// pod (B) had sent them, and the pod's packets to B leave as if A had sent them. Client
+/// and pod then talk through one TCP connection's worth of kernel work, and neither of
+/// the waypoint's sockets sees a packet. Sequence numbers, acknowledgements, SACK blocks
+/// and timestamps are moved from one connection's number space into the other's.
+///
+/// Fields marked "userspace" are set once, before the entry is inserted; the program
+/// writes only the fields marked "kernel".
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Rewrite {
+    /// Userspace: the 4-tuple the packet leaves with.
+    pub to: RewriteKey,
+    /// Userspace: the connection's signal slot ([`REWRITE_SLOT_BASE`] and up).
+    pub slot: u32,
+    /// Userspace: added to the sequence number (modulo 2^32).
+    pub seq_add: u32,
+    /// Userspace: added to the acknowledgement number and to SACK block edges.
+    pub ack_add: u32,
+    /// Userspace: host order. While [`REWRITE_WATCH`] is set, the first pure ACK from
+    /// this direction's sender goes to the waypoint's own socket instead, with its ack
+    /// lowered to this value: that socket sent the ClientHello, and would otherwise
+    /// retransmit it for ever, since every other acknowledgement of it is rewritten away.
+    pub watch: u32,
+    /// Userspace: the TSval clock of the socket whose identity the packet takes on, as an
+    /// offset from CLOCK_MONOTONIC in milliseconds.
+    pub ts_off: u32,
+    /// Kernel: added to TSval: the sender's clock to that socket's clock, learned from
+    /// the first packet with a timestamp.
+    pub ts_add: u32,
+    /// Kernel: taken off TSecr; the reverse direction's `ts_add`, so that the receiver
+    /// sees its own clock echoed.
+    pub ecr_sub: u32,
+    /// Kernel and userspace ([`REWRITE_TS_LEARNED`], ...).
+    pub flags: u32,
+    /// Userspace: the sender's sequence number of the first byte after the waypoint's
+    /// snapshot. Kernel: advanced to the end of the highest segment seen.
+    pub next_seq: u32,
+    /// Explicit padding.
+    pub _pad: u32,
+    /// Kernel: payload bytes that advanced `next_seq` (each byte once, retransmissions
+    /// not counted).
+    pub bytes: u64,
+    /// Kernel: packets rewritten.
+    pub packets: u64,
+}
+
+/// [`Rewrite::flags`]: `ts_add` is known.
+pub const REWRITE_TS_LEARNED: u32 = 1;
+/// [`Rewrite::flags`]: the first pure ACK goes to the waypoint's socket (see
+/// [`Rewrite::watch`]); cleared by the program when it did so.
+pub const REWRITE_WATCH: u32 = 2;
+/// [`Rewrite::flags`]: this direction's sender sent FIN.
+pub const REWRITE_FIN: u32 = 4;
+/// [`Rewrite::flags`]: this direction's sender sent RST.
+pub const REWRITE_RST: u32 = 8;
+/// [`Rewrite::flags`]: a SYN came with this 4-tuple: the connection is gone (the client
+/// reuses its port). The program removed both entries.
+pub const REWRITE_SYN: u32 = 16;
+
+/// Indexes of the rewrite program's per-CPU statistics.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RewriteStat {
+    /// Packets rewritten.
+    Rewritten = 0,
+    /// Pure ACKs handed to the waypoint's socket that sent the hello (see
+    /// [`Rewrite::watch`]).
+    Diverted = 1,
+    /// Packets whose TCP options could not be parsed whole: rewritten without their
+    /// timestamps or SACK blocks translated. Never expected from Linux peers.
+    BadOptions = 2,
+    /// SYNs with a spliced 4-tuple: both entries removed, the SYN passed on.
+    Syn = 3,
+}
+
+/// Number of entries in the rewrite statistics array.
+pub const REWRITE_STAT_COUNT: u32 = 4;
+
+impl RewriteStat {
+    /// Every statistic, in index order.
+    pub const ALL: [RewriteStat; REWRITE_STAT_COUNT as usize] = [
+        RewriteStat::Rewritten,
+        RewriteStat::Diverted,
+        RewriteStat::BadOptions,
+        RewriteStat::Syn,
+    ];
+
+    /// A short label for metrics.
+    pub const fn label(self) -> &'static str {
+        match self {
+            RewriteStat::Rewritten => "rewritten",
+            RewriteStat::Diverted => "diverted",
+            RewriteStat::BadOptions => "bad_options",
+            RewriteStat::Syn => "syn",
+        }
+    }
+}
+
 #[cfg(feature = "user")]
 mod pod {
     // SAFETY: #[repr(C)], made only of integer fields laid out without padding, and valid
     // for any bit pattern.
     #[allow(unsafe_code, reason = "aya::Pod is an unsafe marker trait")]
     unsafe impl aya::Pod for super::Flow {}
+    // SAFETY: as above: #[repr(C)] integers, no implicit padding (12 bytes).
+    #[allow(unsafe_code, reason = "aya::Pod is an unsafe marker trait")]
+    unsafe impl aya::Pod for super::RewriteKey {}
+    // SAFETY: as above: #[repr(C)] integers with explicit padding (72 bytes).
+    #[allow(unsafe_code, reason = "aya::Pod is an unsafe marker trait")]
+    unsafe impl aya::Pod for super::Rewrite {}
 }

@@ -17,6 +17,8 @@
 #![no_std]
 #![no_main]
 
+mod rewrite;
+
 use aya_ebpf::{
     bindings::{
         sk_action::{SK_DROP, SK_PASS},

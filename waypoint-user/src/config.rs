@@ -259,6 +259,13 @@ pub struct Config {
     #[arg(long, env = "WAYPOINT_SPLICE_AFTER", value_parser = parse_bytes, default_value = "16KiB")]
     pub splice_after: u64,
 
+    /// eBPF dataplane (experimental): splice a connection whose client and pod are both
+    /// on this host by rewriting its packets' headers in a TC program on `lo`, so that
+    /// client and pod share one TCP connection's kernel work. Other connections, and
+    /// those whose TCP options differ, take the SockHash. Needs CAP_NET_ADMIN (TCP_REPAIR).
+    #[arg(long, env = "WAYPOINT_REWRITE_LOCAL")]
+    pub rewrite_local: bool,
+
     /// Splice dataplane: pipe capacity per direction of a connection.
     #[arg(long, env = "WAYPOINT_PIPE_SIZE", value_parser = parse_bytes, default_value = "1MiB")]
     pub pipe_size: u64,
@@ -355,6 +362,7 @@ impl Config {
             bulk_send_buffer: usize::try_from(self.bulk_send_buffer).unwrap_or(usize::MAX),
             max_sockets: self.max_sockets,
             splice_after: self.splice_after,
+            rewrite_local: self.rewrite_local,
             ..dataplane::ebpf::Config::default()
         }
     }

@@ -16,6 +16,7 @@ pub mod copy;
 pub mod ebpf;
 mod flows;
 mod park;
+pub mod rewrite;
 mod send_buffer;
 mod signals;
 pub mod splice;

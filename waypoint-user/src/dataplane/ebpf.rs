@@ -34,7 +34,7 @@ use std::{
 
 use aya::{
     maps::{HashMap, MapData, PerCpuArray, RingBuf, SockHash},
-    programs::SkSkb,
+    programs::{SchedClassifier, SkSkb, TcAttachType},
     Ebpf as Loaded, EbpfLoader,
 };
 use futures::{future::Either, FutureExt as _};
@@ -45,11 +45,13 @@ use nix::sys::{
 use tokio::net::TcpStream;
 use tracing::{debug, info, trace, warn};
 use waypoint_common::{
-    Stat, FLOWS_MAP, PEERS_MAP, SIGNALS_MAP, SKB_SEQ_OFFSET, SKB_SK_OFFSET, SLOTS_MAP, STATS_MAP,
+    Rewrite, RewriteKey, RewriteStat, Stat, FLOWS_MAP, PEERS_MAP, REWRITES_MAP, REWRITE_PROG,
+    REWRITE_STATS_MAP, SIGNALS_MAP, SKB_SEQ_OFFSET, SKB_SK_OFFSET, SLOTS_MAP, STATS_MAP,
     TCP_COPIED_SEQ_OFFSET, VERDICT_PROG,
 };
 
 use super::flows::{self, Budget, FlowCell, FlowRef, FlowTable};
+use super::rewrite::{self, Rewriter};
 use super::send_buffer::DrainProbe;
 use super::signals::{self, Signals};
 use super::watch::Watch;
@@ -127,6 +129,10 @@ pub struct Config {
     /// bytes; a full ring loses records, and the daemon then wakes every waiting
     /// connection instead.
     pub signal_ring_bytes: u32,
+    /// Splice connections whose client and pod are both on this host by rewriting their
+    /// packets' headers in a TC program on `lo` (see `rewrite.rs`); the others, and
+    /// those it refuses, take the SockHash.
+    pub rewrite_local: bool,
 }
 
 impl Default for Config {
@@ -138,6 +144,7 @@ impl Default for Config {
             max_sockets: waypoint_common::DEFAULT_MAX_SOCKETS,
             splice_after: DEFAULT_SPLICE_AFTER,
             signal_ring_bytes: waypoint_common::SIGNALS_BYTES,
+            rewrite_local: false,
         }
     }
 }
@@ -181,6 +188,9 @@ pub enum Error {
     /// The flow records could not be set up.
     #[error(transparent)]
     Flows(#[from] flows::Error),
+    /// The rewrite program could not be attached to `lo`.
+    #[error("attaching the rewrite program to lo: {0}")]
+    Rewrite(aya::programs::ProgramError),
     /// The thread that reads the verdict's signals could not be started.
     #[error(transparent)]
     Signals(#[from] signals::Error),
@@ -234,6 +244,8 @@ pub struct Ebpf {
     signals: Arc<Signals>,
     fallbacks: AtomicU64,
     handovers: AtomicU64,
+    /// The rewrite splice, with `rewrite_local`.
+    rewrite: Option<Rewriter>,
     // Owns the program and its attachment to the SockHash.
     _loaded: Loaded,
 }
@@ -337,6 +349,27 @@ impl Ebpf {
             .try_into()?;
         prog.load()?;
         prog.attach(peers.fd())?;
+        let rewrite = if config.rewrite_local {
+            let map: HashMap<MapData, RewriteKey, Rewrite> = take(&mut loaded, REWRITES_MAP)?
+                .try_into()
+                .map_err(|e| map_error(REWRITES_MAP, e))?;
+            let aya::maps::Map::PerCpuArray(rstats) = take(&mut loaded, REWRITE_STATS_MAP)? else {
+                return Err(map_error(REWRITE_STATS_MAP, "not a per-CPU array"));
+            };
+            let rstats: PerCpuArray<MapData, u64> = aya::maps::Map::PerCpuArray(rstats)
+                .try_into()
+                .map_err(|e| map_error(REWRITE_STATS_MAP, e))?;
+            let prog: &mut SchedClassifier = loaded
+                .program_mut(REWRITE_PROG)
+                .ok_or_else(|| map_error("program", "rewrite classifier missing from the object"))?
+                .try_into()?;
+            prog.load().map_err(Error::Rewrite)?;
+            prog.attach("lo", TcAttachType::Ingress)
+                .map_err(Error::Rewrite)?;
+            Some(Rewriter::new(map, rstats))
+        } else {
+            None
+        };
         let signals = Signals::start(ring, signal_stats)?;
         info!(
             max_inflight = config.max_inflight,
@@ -345,6 +378,7 @@ impl Ebpf {
             max_sockets = config.max_sockets,
             splice_after = config.splice_after,
             repeat_check = offsets.is_some(),
+            rewrite_local = config.rewrite_local,
             "eBPF dataplane attached"
         );
         Ok(Ebpf {
@@ -356,6 +390,7 @@ impl Ebpf {
             signals,
             fallbacks: AtomicU64::new(0),
             handovers: AtomicU64::new(0),
+            rewrite,
             _loaded: loaded,
         })
     }
@@ -400,7 +435,60 @@ impl Ebpf {
         (self.signals.received(), self.signals.sweeps())
     }
 
-    /// See [`super::Dataplane::forward`].
+    /// The rewrite splice's counters and the program's statistics (in
+    /// [`RewriteStat::ALL`] order); None without `rewrite_local`.
+    pub fn rewrite_counts(&self) -> Option<(rewrite::Counts, Vec<(RewriteStat, u64)>)> {
+        self.rewrite.as_ref().map(|r| (r.counts(), r.stats()))
+    }
+
+    /// Entries in the rewrite map (walks it: tests and diagnostics); 0 without it.
+    pub fn rewrite_entries(&self) -> usize {
+        self.rewrite.as_ref().map_or(0, Rewriter::entries)
+    }
+
+    /// See [`super::Dataplane::forward`]: the rewrite splice for a connection it can
+    /// take (see `rewrite.rs`), else [`Ebpf::forward_sockmap`].
+    pub fn forward(
+        self: &Arc<Self>,
+        downstream: TcpStream,
+        upstream: TcpStream,
+        initial: Vec<u8>,
+        limits: Limits,
+    ) -> impl Future<Output = Result<Outcome, Error>> + Send + 'static {
+        if self.rewrite.is_none() {
+            return Either::Left(self.forward_sockmap(downstream, upstream, initial, limits));
+        }
+        let dp = Arc::clone(self);
+        Either::Right(Box::pin(async move {
+            let Some(rewriter) = dp.rewrite.as_ref() else {
+                return dp
+                    .forward_sockmap(downstream, upstream, initial, limits)
+                    .await;
+            };
+            match rewriter
+                .forward(&dp.signals, downstream, upstream, initial, limits)
+                .await
+            {
+                Ok(Ok(outcome)) => Ok(outcome),
+                Ok(Err(e)) => Ok(Outcome {
+                    downstream_to_upstream: 0,
+                    upstream_to_downstream: 0,
+                    end: End::Error(e.kind()),
+                }),
+                Err(refused) => {
+                    dp.forward_sockmap(
+                        refused.downstream,
+                        refused.upstream,
+                        refused.initial,
+                        limits,
+                    )
+                    .await
+                }
+            }
+        }))
+    }
+
+    /// The SockHash splice (after the copy, see [`Config::splice_after`]).
     ///
     /// The kernel phase ([`Ebpf::splice`], about 2.6 KB of state in a debug build) is boxed: inline, it
     /// would size every connection's task, and most connections (short or idle ones)
@@ -408,7 +496,7 @@ impl Ebpf {
     ///
     /// Owns a handle on the dataplane rather than borrowing it, so that the connection's
     /// task can hold this future without an `async` block around it.
-    pub fn forward(
+    fn forward_sockmap(
         self: &Arc<Self>,
         downstream: TcpStream,
         upstream: TcpStream,

@@ -1,0 +1,376 @@
+//! Splicing by rewriting packet headers: a TC classifier on the ingress of `lo`.
+//!
+//! For a connection the daemon splices this way, `REWRITES` holds one entry per
+//! direction, keyed by the 4-tuple the packet arrives with: the client's packets to the
+//! waypoint's accepted socket (A) leave with the 4-tuple of the waypoint's socket to the
+//! pod (B), and the pod's packets to B with A's. Sequence and acknowledgement numbers,
+//! SACK blocks and timestamps move into the other connection's number space, so client
+//! and pod hold one TCP conversation and neither of the waypoint's sockets sees a packet.
+//! See `waypoint_common::Rewrite` for the fields and docs/ARCHITECTURE.md for the
+//! hand-over.
+//!
+//! Every rewritten packet still goes through the local stack (TC_ACT_OK): the daemon
+//! splices this way only connections whose two ends are on this host.
+
+use aya_ebpf::{
+    bindings::{BPF_F_NO_PREALLOC, BPF_F_PSEUDO_HDR, TC_ACT_OK},
+    cty::c_void,
+    helpers::{
+        bpf_ktime_get_ns, bpf_l3_csum_replace, bpf_l4_csum_replace, bpf_skb_load_bytes,
+        bpf_skb_store_bytes,
+    },
+    macros::{classifier, map},
+    maps::{HashMap, PerCpuArray},
+    programs::TcContext,
+};
+use waypoint_common::{
+    Rewrite, RewriteKey, RewriteStat, Signal, Stat, DEFAULT_MAX_REWRITES, REWRITE_FIN, REWRITE_RST,
+    REWRITE_STAT_COUNT, REWRITE_TS_LEARNED, REWRITE_WATCH,
+};
+
+// Not preallocated, for the same reason as SLOTS: the program writes through the pointer
+// it looked up, and a removed element must not be handed to another connection meanwhile.
+#[map]
+static REWRITES: HashMap<RewriteKey, Rewrite> =
+    HashMap::with_max_entries(DEFAULT_MAX_REWRITES, BPF_F_NO_PREALLOC);
+
+#[map]
+static REWRITE_STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(REWRITE_STAT_COUNT, 0);
+
+const ETH_P_IP: u16 = 0x0800;
+const IPPROTO_TCP: u8 = 6;
+const IP_OFF: u32 = 14;
+const IP_CSUM: u32 = IP_OFF + 10;
+const IP_SADDR: u32 = IP_OFF + 12;
+const IP_DADDR: u32 = IP_OFF + 16;
+const TCP_OFF: u32 = IP_OFF + 20;
+const TCP_PORTS: u32 = TCP_OFF;
+const TCP_SEQ: u32 = TCP_OFF + 4;
+const TCP_ACK: u32 = TCP_OFF + 8;
+const TCP_CSUM: u32 = TCP_OFF + 16;
+const OPT_OFF: u32 = TCP_OFF + 20;
+const MAX_OPTS: u32 = 40;
+
+const FIN: u8 = 0x01;
+const SYN: u8 = 0x02;
+const RST: u8 = 0x04;
+
+/// Ethernet, IPv4 without options and TCP, as they lie in the packet.
+#[repr(C, packed)]
+#[derive(Clone, Copy)]
+struct Headers {
+    _macs: [u8; 12],
+    proto: u16,
+    ver_ihl: u8,
+    _tos: u8,
+    tot_len: u16,
+    _id: u16,
+    _frag: u16,
+    _ttl: u8,
+    protocol: u8,
+    _ip_csum: u16,
+    saddr: u32,
+    daddr: u32,
+    sport: u16,
+    dport: u16,
+    seq: u32,
+    ack: u32,
+    doff: u8,
+    flags: u8,
+    _window: u16,
+    _csum: u16,
+    _urg: u16,
+}
+
+/// "Not mine": the next program on the interface (TCX), or the stack, decides. Several
+/// daemons (tests, or a restart overlapping the old process) may each attach one.
+const TC_ACT_UNSPEC: i32 = -1;
+
+#[classifier]
+pub fn waypoint_rewrite(ctx: TcContext) -> i32 {
+    if rewrite(&ctx) {
+        TC_ACT_OK
+    } else {
+        TC_ACT_UNSPEC
+    }
+}
+
+#[inline(always)]
+fn count(stat: RewriteStat) {
+    if let Some(slot) = REWRITE_STATS.get_ptr_mut(stat as u32) {
+        // SAFETY: a successful lookup in a per-CPU array: valid, and only this CPU
+        // touches this slot.
+        unsafe { *slot += 1 };
+    }
+}
+
+/// `a` is at or after `b` in sequence space.
+#[inline(always)]
+fn seq_ge(a: u32, b: u32) -> bool {
+    (a.wrapping_sub(b) as i32) >= 0
+}
+
+/// Replaces the 4 bytes at `off` (`from`, as read from the packet) with `to`, and fixes
+/// the TCP checksum (`pseudo`: the bytes are part of the pseudo header).
+#[inline(always)]
+fn put32(ctx: &TcContext, off: u32, from: u32, to: u32, pseudo: bool) {
+    if from == to {
+        return;
+    }
+    let skb = ctx.skb.skb;
+    let flags = if pseudo {
+        u64::from(BPF_F_PSEUDO_HDR)
+    } else {
+        0
+    } | 4;
+    // SAFETY: the context's skb, valid for the call; `to` lives on the stack for the
+    // call's duration. The helpers check the offsets against the packet.
+    unsafe {
+        bpf_l4_csum_replace(skb, TCP_CSUM, u64::from(from), u64::from(to), flags);
+        bpf_skb_store_bytes(skb, off, (&raw const to).cast(), 4, 0);
+    }
+}
+
+fn signal(slot: u32) {
+    if crate::SIGNALS
+        .output::<Signal>(&Signal { slot, _pad: 0 }, 0)
+        .is_err()
+    {
+        crate::count(Stat::SignalLost);
+    }
+}
+
+/// Rewrites the packet if it belongs to a spliced connection; false if it does not.
+#[inline(always)]
+fn rewrite(ctx: &TcContext) -> bool {
+    let skb = ctx.skb.skb;
+    let mut h = core::mem::MaybeUninit::<Headers>::uninit();
+    let size = core::mem::size_of::<Headers>() as u32;
+    // SAFETY: the helper writes at most `size` bytes into `h`, which has that size, and
+    // fails on a shorter packet (which is then not ours).
+    if unsafe { bpf_skb_load_bytes(skb.cast::<c_void>(), 0, h.as_mut_ptr().cast(), size) } < 0 {
+        return false;
+    }
+    // SAFETY: fully written by the successful load above; every bit pattern is valid.
+    let h = unsafe { h.assume_init() };
+    if h.proto != ETH_P_IP.to_be() || h.ver_ihl != 0x45 || h.protocol != IPPROTO_TCP {
+        return false;
+    }
+    let key = RewriteKey {
+        saddr: h.saddr,
+        daddr: h.daddr,
+        sport: h.sport,
+        dport: h.dport,
+    };
+    let Some(r) = REWRITES.get_ptr_mut(&key) else {
+        return false;
+    };
+    // SAFETY: a successful lookup in a non-preallocated hash map: the element stays
+    // valid for this invocation (RCU), even if userspace removes it meanwhile.
+    let r = unsafe { &mut *r };
+    let w = *r;
+    let reverse = RewriteKey {
+        saddr: w.to.daddr,
+        daddr: w.to.saddr,
+        sport: w.to.dport,
+        dport: w.to.sport,
+    };
+    if h.flags & SYN != 0 {
+        // A new connection with a spliced 4-tuple: the spliced one is gone (the client
+        // reuses its port). Let the SYN through to the listener, and forget the splice.
+        count(RewriteStat::Syn);
+        let _ = REWRITES.remove(&key);
+        let _ = REWRITES.remove(&reverse);
+        signal(w.slot);
+        return false;
+    }
+    let doff = u32::from(h.doff >> 4) * 4;
+    let payload = u32::from(u16::from_be(h.tot_len))
+        .saturating_sub(20)
+        .saturating_sub(doff);
+    let seq = u32::from_be(h.seq);
+    let ack = u32::from_be(h.ack);
+    if w.flags & REWRITE_WATCH != 0 && payload == 0 && h.flags & (FIN | RST) == 0 {
+        // The first pure ACK of the pod goes to the socket that sent the hello, acking
+        // no more than it sent: it stops that socket's retransmission timer. (A single
+        // lost pure ACK costs the client nothing: the next one says the same or more.)
+        let until = w.watch;
+        if seq_ge(ack, until) {
+            put32(ctx, TCP_ACK, h.ack, until.to_be(), false);
+            r.flags &= !REWRITE_WATCH;
+        }
+        count(RewriteStat::Diverted);
+        return true;
+    }
+    let end = seq.wrapping_add(payload);
+    if payload > 0 && !seq_ge(w.next_seq, end) {
+        r.bytes += u64::from(end.wrapping_sub(w.next_seq));
+        r.next_seq = end;
+    }
+    r.packets += 1;
+    let mut ended = false;
+    if h.flags & RST != 0 {
+        r.flags |= REWRITE_RST;
+        ended = true;
+    }
+    if h.flags & FIN != 0 && w.flags & REWRITE_FIN == 0 {
+        r.flags |= REWRITE_FIN;
+        if let Some(back) = REWRITES.get_ptr(&reverse) {
+            // SAFETY: as for `r`.
+            ended = unsafe { (*back).flags } & REWRITE_FIN != 0;
+        }
+    }
+
+    // Addresses are in the pseudo header: both checksums.
+    if h.saddr != w.to.saddr {
+        // SAFETY: the context's skb; the helper checks the offset.
+        unsafe { bpf_l3_csum_replace(skb, IP_CSUM, u64::from(h.saddr), u64::from(w.to.saddr), 4) };
+        put32(ctx, IP_SADDR, h.saddr, w.to.saddr, true);
+    }
+    if h.daddr != w.to.daddr {
+        // SAFETY: as above.
+        unsafe { bpf_l3_csum_replace(skb, IP_CSUM, u64::from(h.daddr), u64::from(w.to.daddr), 4) };
+        put32(ctx, IP_DADDR, h.daddr, w.to.daddr, true);
+    }
+    let ports = u32::from(h.sport) | (u32::from(h.dport) << 16);
+    let to_ports = u32::from(w.to.sport) | (u32::from(w.to.dport) << 16);
+    put32(ctx, TCP_PORTS, ports, to_ports, false);
+    put32(
+        ctx,
+        TCP_SEQ,
+        h.seq,
+        seq.wrapping_add(w.seq_add).to_be(),
+        false,
+    );
+    put32(
+        ctx,
+        TCP_ACK,
+        h.ack,
+        ack.wrapping_add(w.ack_add).to_be(),
+        false,
+    );
+    if doff > 20 {
+        options(ctx, r, &w, &reverse, doff - 20);
+    }
+    count(RewriteStat::Rewritten);
+    if ended {
+        signal(w.slot);
+    }
+    true
+}
+
+/// Reads `N` bytes of the packet at `off`; None past its end.
+#[inline(always)]
+fn load<const N: usize>(ctx: &TcContext, off: u32) -> Option<[u8; N]> {
+    let mut buf = [0u8; N];
+    // SAFETY: at most N bytes into a buffer of that size; the helper checks the offset
+    // against the packet.
+    let r = unsafe {
+        bpf_skb_load_bytes(
+            ctx.skb.skb.cast::<c_void>(),
+            off,
+            buf.as_mut_ptr().cast(),
+            N as u32,
+        )
+    };
+    (r >= 0).then_some(buf)
+}
+
+/// Translates the timestamps and SACK blocks among the TCP options (`len` bytes). Each
+/// field is read from the packet where it lies (the verifier refuses reads from a stack
+/// buffer at an offset it cannot bound).
+#[inline(always)]
+fn options(ctx: &TcContext, r: &mut Rewrite, w: &Rewrite, reverse: &RewriteKey, len: u32) {
+    if len > MAX_OPTS {
+        count(RewriteStat::BadOptions);
+        return;
+    }
+    let mut i = 0u32;
+    // Each option is at least one byte; 20 steps cover 40 bytes of options that are not
+    // all padding.
+    for _ in 0..20 {
+        if i >= len {
+            return;
+        }
+        let Some([kind]) = load::<1>(ctx, OPT_OFF + i) else {
+            count(RewriteStat::BadOptions);
+            return;
+        };
+        match kind {
+            0 => return,
+            1 => {
+                i += 1;
+                continue;
+            }
+            _ => {}
+        }
+        let olen = match load::<1>(ctx, OPT_OFF + i + 1) {
+            Some([l]) if l >= 2 && i + u32::from(l) <= len => u32::from(l),
+            _ => {
+                count(RewriteStat::BadOptions);
+                return;
+            }
+        };
+        match (kind, olen) {
+            (8, 10) => timestamps(ctx, r, w, reverse, OPT_OFF + i + 2),
+            (5, _) => {
+                // SACK blocks are acknowledgements: they move like the ack number.
+                for b in 0..4u32 {
+                    let at = i + 2 + b * 8;
+                    if at + 8 > i + olen {
+                        break;
+                    }
+                    let Some(edges) = load::<8>(ctx, OPT_OFF + at) else {
+                        count(RewriteStat::BadOptions);
+                        return;
+                    };
+                    for (e, chunk) in [&edges[..4], &edges[4..]].into_iter().enumerate() {
+                        let raw = u32::from_ne_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]);
+                        let to = u32::from_be(raw).wrapping_add(w.ack_add).to_be();
+                        put32(ctx, OPT_OFF + at + e as u32 * 4, raw, to, false);
+                    }
+                }
+            }
+            _ => {}
+        }
+        i += olen;
+    }
+}
+
+/// TSval moves into the clock of the socket whose identity the packet takes on, TSecr
+/// back into the receiver's own: every connection has its own random TSval offset, and
+/// a receiver's PAWS check drops segments whose TSval looks older than the last one.
+/// `off`: the packet offset of TSval.
+#[inline(always)]
+fn timestamps(ctx: &TcContext, r: &mut Rewrite, w: &Rewrite, reverse: &RewriteKey, off: u32) {
+    let Some(ts) = load::<8>(ctx, off) else {
+        count(RewriteStat::BadOptions);
+        return;
+    };
+    let val_raw = u32::from_ne_bytes([ts[0], ts[1], ts[2], ts[3]]);
+    let ecr_raw = u32::from_ne_bytes([ts[4], ts[5], ts[6], ts[7]]);
+    let tsval = u32::from_be(val_raw);
+    let mut add = w.ts_add;
+    if w.flags & REWRITE_TS_LEARNED == 0 {
+        // SAFETY: the helper has no preconditions.
+        let now = (unsafe { bpf_ktime_get_ns() } / 1_000_000) as u32;
+        add = now.wrapping_add(w.ts_off).wrapping_sub(tsval);
+        r.ts_add = add;
+        r.flags |= REWRITE_TS_LEARNED;
+        if let Some(back) = REWRITES.get_ptr_mut(reverse) {
+            // SAFETY: as for `r` in `rewrite`.
+            unsafe { (*back).ecr_sub = add };
+        }
+    }
+    put32(ctx, off, val_raw, tsval.wrapping_add(add).to_be(), false);
+    let tsecr = u32::from_be(ecr_raw);
+    if tsecr != 0 {
+        put32(
+            ctx,
+            off + 4,
+            ecr_raw,
+            tsecr.wrapping_sub(w.ecr_sub).to_be(),
+            false,
+        );
+    }
+}

@@ -1,0 +1,732 @@
+//! Splicing a connection by rewriting packet headers (`--rewrite-local`): the TC program
+//! `waypoint_rewrite` on `lo` (see waypoint-ebpf) turns the client's packets to the
+//! waypoint's accepted socket A into packets of the waypoint's socket B to the pod, and
+//! back. Client and pod then hold one TCP conversation through one pass of the stack:
+//! no second connection carries the bytes, and no socket of the daemon's sees them.
+//!
+//! Only for connections whose client and pod are both on this host (every packet then
+//! goes through `lo`); any other connection, or one whose TCP options do not line up,
+//! takes the SockHash splice ([`Refused`]).
+//!
+//! **Hand-over**, right after the router read the ClientHello from A and dialed B:
+//! 1. A goes into repair mode (`TCP_REPAIR`), which lets the daemon read its sequence
+//!    numbers; what A holds unread is read first and sent on with the hello.
+//! 2. Both entries go into the map, and B sends the hello. From now on every packet is
+//!    rewritten. B keeps only the job of retransmitting the hello: the program hands it
+//!    the pod's first pure ACK (see `Rewrite::watch`).
+//! 3. A packet that passed the program before the entries were in may still be on its
+//!    way into A or B. One RCU grace period (`membarrier(MEMBARRIER_CMD_GLOBAL)`, shared
+//!    by every hand-over waiting at the time, [`Grace`]) later, every such packet has
+//!    landed. If one did (A's or B's `rcv_nxt` moved), its bytes would be lost between
+//!    the two conversations: the splice is undone and both ends are reset ("stranded").
+//!    A TLS client sends nothing between its ClientHello and the server's answer, so
+//!    this takes a client that does not wait.
+//! 4. A is closed silently (repair mode sends neither FIN nor RST). B stays open,
+//!    holding its 4-tuple, so that no other connection to the pod gets the same one.
+//!
+//! **End:** the program signals the connection (through the SockHash splice's ring) at
+//! a RST or at the second FIN. The entries stay [`LINGER`] longer for the last ACK and
+//! any retransmitted FIN, then go, and B is closed silently. A connection idle for the
+//! idle timeout, or past its lifetime, loses its entries at once; its ends learn of it
+//! at their next packet, which meets no socket and is answered with a reset.
+
+use std::{
+    io,
+    net::{SocketAddr, SocketAddrV4},
+    os::fd::{AsRawFd, RawFd},
+    sync::{
+        atomic::{AtomicU32, AtomicU64, Ordering::Relaxed},
+        Arc, Condvar, Mutex, MutexGuard,
+    },
+    time::{Duration, Instant},
+};
+
+use aya::maps::{HashMap, MapData, PerCpuArray};
+use tokio::{io::AsyncWriteExt as _, net::TcpStream};
+use tracing::{debug, warn};
+use waypoint_common::{
+    Rewrite, RewriteKey, RewriteStat, REWRITE_FIN, REWRITE_RST, REWRITE_SLOT_BASE, REWRITE_WATCH,
+};
+
+use super::signals::Signals;
+use super::{abort_on_close, End, Limits, Outcome};
+
+/// How long the entries of an ended connection stay: the last ACK, or a retransmitted
+/// FIN, must still be rewritten (an RTO is 200 ms at least, doubling).
+pub const LINGER: Duration = Duration::from_secs(3);
+
+/// Rounds of reading what A holds before giving the connection to the SockHash splice.
+const DRAIN_ROUNDS: usize = 3;
+
+const TCP_REPAIR: libc::c_int = 19;
+const TCP_REPAIR_QUEUE: libc::c_int = 20;
+const TCP_QUEUE_SEQ: libc::c_int = 21;
+const TCP_TIMESTAMP: libc::c_int = 24;
+const TCP_RECV_QUEUE: libc::c_int = 1;
+const TCP_SEND_QUEUE: libc::c_int = 2;
+/// Leaves repair mode without sending a window probe.
+const TCP_REPAIR_OFF_NO_WP: libc::c_int = -1;
+/// `tcpi_options` bits (include/uapi/linux/tcp.h).
+const TCPI_OPT_TIMESTAMPS: u8 = 1;
+const TCPI_OPT_SACK: u8 = 2;
+const TCPI_OPT_WSCALE: u8 = 4;
+const MEMBARRIER_CMD_GLOBAL: libc::c_int = 1;
+
+/// Why a connection was not spliced this way (it takes the SockHash splice instead).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// Not IPv4, or the client or the pod is not on this host.
+    NotLocal,
+    /// The two connections negotiated different TCP options or window scales.
+    Options,
+    /// A kept receiving bytes while the daemon read them, or held unacknowledged bytes.
+    Busy,
+    /// The map is full, or a socket option failed.
+    Setup,
+}
+
+impl Refusal {
+    /// Every reason, for metrics.
+    pub const ALL: [Refusal; 4] = [
+        Refusal::NotLocal,
+        Refusal::Options,
+        Refusal::Busy,
+        Refusal::Setup,
+    ];
+
+    /// A short label for metrics.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Refusal::NotLocal => "not_local",
+            Refusal::Options => "options",
+            Refusal::Busy => "busy",
+            Refusal::Setup => "setup",
+        }
+    }
+}
+
+/// A connection handed back untouched (A out of repair mode), with the bytes read so far.
+pub struct Refused {
+    /// Why.
+    pub reason: Refusal,
+    /// The client's connection.
+    pub downstream: TcpStream,
+    /// The pod's connection.
+    pub upstream: TcpStream,
+    /// The hello and whatever was read behind it.
+    pub initial: Vec<u8>,
+}
+
+/// Counters of the rewrite splice, process-wide.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counts {
+    /// Connections spliced by rewriting.
+    pub spliced: u64,
+    /// Connections refused, by [`Refusal::ALL`] order.
+    pub refused: [u64; 4],
+    /// Connections undone at the hand-over because a packet landed in A or B (step 3).
+    pub stranded: u64,
+    /// Spliced connections now live (entries in the map).
+    pub live: u64,
+}
+
+/// The rewrite splice: the program's map and statistics, attached by [`super::ebpf`].
+pub(super) struct Rewriter {
+    map: Mutex<HashMap<MapData, RewriteKey, Rewrite>>,
+    stats: PerCpuArray<MapData, u64>,
+    grace: Arc<Grace>,
+    next_slot: AtomicU32,
+    spliced: AtomicU64,
+    refused: [AtomicU64; 4],
+    stranded: AtomicU64,
+    live: AtomicU64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Each critical section is one map syscall: a panic cannot leave it half-done.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// One direction's key and value, and the other's.
+#[derive(Clone, Copy)]
+struct Entries {
+    from_client: RewriteKey,
+    from_pod: RewriteKey,
+}
+
+impl Rewriter {
+    pub fn new(
+        map: HashMap<MapData, RewriteKey, Rewrite>,
+        stats: PerCpuArray<MapData, u64>,
+    ) -> Self {
+        Rewriter {
+            map: Mutex::new(map),
+            stats,
+            grace: Grace::start(),
+            next_slot: AtomicU32::new(0),
+            spliced: AtomicU64::new(0),
+            refused: Default::default(),
+            stranded: AtomicU64::new(0),
+            live: AtomicU64::new(0),
+        }
+    }
+
+    /// The counters so far.
+    pub fn counts(&self) -> Counts {
+        Counts {
+            spliced: self.spliced.load(Relaxed),
+            refused: std::array::from_fn(|i| self.refused[i].load(Relaxed)),
+            stranded: self.stranded.load(Relaxed),
+            live: self.live.load(Relaxed),
+        }
+    }
+
+    /// The program's statistics, summed over CPUs, in [`RewriteStat::ALL`] order.
+    pub fn stats(&self) -> Vec<(RewriteStat, u64)> {
+        RewriteStat::ALL
+            .iter()
+            .map(|&s| {
+                let total = self
+                    .stats
+                    .get(&(s as u32), 0)
+                    .map(|v| v.iter().sum())
+                    .unwrap_or(0);
+                (s, total)
+            })
+            .collect()
+    }
+
+    /// Entries in the map (walks it: diagnostics and tests only).
+    pub fn entries(&self) -> usize {
+        lock(&self.map).keys().count()
+    }
+
+    fn refuse(
+        &self,
+        reason: Refusal,
+        downstream: TcpStream,
+        upstream: TcpStream,
+        initial: Vec<u8>,
+    ) -> Refused {
+        self.refused[reason as usize].fetch_add(1, Relaxed);
+        debug!(reason = reason.as_str(), "not spliced by rewriting");
+        Refused {
+            reason,
+            downstream,
+            upstream,
+            initial,
+        }
+    }
+
+    /// Splices the connection and waits for its end, or hands it back.
+    pub async fn forward(
+        &self,
+        signals: &Signals,
+        downstream: TcpStream,
+        upstream: TcpStream,
+        mut initial: Vec<u8>,
+        limits: Limits,
+    ) -> Result<Result<Outcome, io::Error>, Refused> {
+        let start = Instant::now();
+        let Some(addrs) = Addrs::of(&downstream, &upstream) else {
+            return Err(self.refuse(Refusal::NotLocal, downstream, upstream, initial));
+        };
+        let (a, b) = (downstream.as_raw_fd(), upstream.as_raw_fd());
+        let (info_a, info_b) = match (tcp_info(a), tcp_info(b)) {
+            (Ok(x), Ok(y)) => (x, y),
+            _ => return Err(self.refuse(Refusal::Setup, downstream, upstream, initial)),
+        };
+        if !info_a.lines_up_with(&info_b) {
+            return Err(self.refuse(Refusal::Options, downstream, upstream, initial));
+        }
+        let seqs = match snapshot(&downstream, &upstream, &mut initial) {
+            Ok(Some(s)) => s,
+            Ok(None) => return Err(self.refuse(Refusal::Busy, downstream, upstream, initial)),
+            Err(e) => {
+                debug!(error = %e, "rewrite hand-over: socket options failed");
+                let _ = set_repair(a, TCP_REPAIR_OFF_NO_WP);
+                return Err(self.refuse(Refusal::Setup, downstream, upstream, initial));
+            }
+        };
+        let timestamps = info_a.options & TCPI_OPT_TIMESTAMPS != 0;
+        let (ts_a, ts_b) = if timestamps {
+            match (ts_clock(a), ts_clock(b)) {
+                (Ok(x), Ok(y)) => (x, y),
+                _ => {
+                    let _ = set_repair(a, TCP_REPAIR_OFF_NO_WP);
+                    return Err(self.refuse(Refusal::Setup, downstream, upstream, initial));
+                }
+            }
+        } else {
+            (0, 0)
+        };
+        let slot = REWRITE_SLOT_BASE | (self.next_slot.fetch_add(1, Relaxed) & !REWRITE_SLOT_BASE);
+        let hello_end = seqs.b_snd.wrapping_add(initial.len() as u32);
+        let entries = Entries {
+            from_client: key(addrs.client, addrs.a_local),
+            from_pod: key(addrs.pod, addrs.b_local),
+        };
+        let from_client = Rewrite {
+            to: key(addrs.b_local, addrs.pod),
+            slot,
+            seq_add: hello_end.wrapping_sub(seqs.a_rcv),
+            ack_add: seqs.b_rcv.wrapping_sub(seqs.a_snd),
+            ts_off: ts_b,
+            next_seq: seqs.a_rcv,
+            ..Rewrite::default()
+        };
+        let from_pod = Rewrite {
+            to: key(addrs.a_local, addrs.client),
+            slot,
+            seq_add: seqs.a_snd.wrapping_sub(seqs.b_rcv),
+            ack_add: seqs.a_rcv.wrapping_sub(hello_end),
+            watch: hello_end,
+            ts_off: ts_a,
+            flags: REWRITE_WATCH,
+            next_seq: seqs.b_rcv,
+            ..Rewrite::default()
+        };
+        {
+            let mut map = lock(&self.map);
+            // The pod's direction first: the client's packets are rewritten from the
+            // moment its entry is in, and the pod may answer at once.
+            let inserted = map
+                .insert(entries.from_pod, from_pod, 0)
+                .and_then(|()| map.insert(entries.from_client, from_client, 0));
+            if let Err(e) = inserted {
+                let _ = map.remove(&entries.from_pod);
+                drop(map);
+                debug!(error = %e, "rewrite hand-over: map insert failed");
+                let _ = set_repair(a, TCP_REPAIR_OFF_NO_WP);
+                return Err(self.refuse(Refusal::Setup, downstream, upstream, initial));
+            }
+        }
+        self.live.fetch_add(1, Relaxed);
+        self.spliced.fetch_add(1, Relaxed);
+        let mut upstream = upstream;
+        let sent = upstream.write_all(&initial).await;
+        // Step 3: after a grace period, nothing that passed the program before the
+        // entries were in is still on its way to A or B.
+        self.grace.wait().await;
+        let stranded = match (&sent, queue_seq(a, TCP_RECV_QUEUE), rcv_nxt(b)) {
+            (Ok(()), Ok(a_rcv), Ok(b_rcv)) => a_rcv != seqs.a_rcv || b_rcv != seqs.b_rcv,
+            _ => true,
+        };
+        if stranded {
+            self.remove(&entries);
+            self.stranded.fetch_add(1, Relaxed);
+            warn!(
+                client = %addrs.client,
+                "a packet reached the waypoint's socket during the rewrite hand-over (a client \
+                 that sent before the server answered): both ends reset"
+            );
+            let _ = set_repair(a, TCP_REPAIR_OFF_NO_WP);
+            reset(&downstream);
+            reset(&upstream);
+            return Ok(match sent {
+                Ok(()) => Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "bytes stranded at the rewrite hand-over",
+                )),
+                Err(e) => Err(e),
+            });
+        }
+        // Silent: A is in repair mode.
+        drop(downstream);
+        let end = self.wait_end(signals, &entries, slot, limits, start).await;
+        let (d2u, u2d) = self.finish(&entries, end).await;
+        // Silent too: the pod learnt of the end from the client.
+        let _ = set_repair(upstream.as_raw_fd(), 1);
+        drop(upstream);
+        Ok(Ok(Outcome {
+            downstream_to_upstream: initial.len() as u64 + d2u,
+            upstream_to_downstream: u2d,
+            end,
+        }))
+    }
+
+    fn get(&self, key: &RewriteKey) -> Option<Rewrite> {
+        lock(&self.map).get(key, 0).ok()
+    }
+
+    fn remove(&self, entries: &Entries) {
+        let mut map = lock(&self.map);
+        let _ = map.remove(&entries.from_client);
+        let _ = map.remove(&entries.from_pod);
+        drop(map);
+        self.live.fetch_sub(1, Relaxed);
+    }
+
+    /// How the connection ended, from its entries; None while it goes on.
+    fn ended(&self, entries: &Entries) -> Option<End> {
+        let (Some(c), Some(p)) = (self.get(&entries.from_client), self.get(&entries.from_pod))
+        else {
+            // The program removed them: a SYN reused the client's 4-tuple.
+            return Some(End::DownstreamReset);
+        };
+        if c.flags & REWRITE_RST != 0 {
+            Some(End::DownstreamReset)
+        } else if p.flags & REWRITE_RST != 0 {
+            Some(End::UpstreamReset)
+        } else if c.flags & p.flags & REWRITE_FIN != 0 {
+            Some(End::Closed)
+        } else {
+            None
+        }
+    }
+
+    fn packets(&self, entries: &Entries) -> u64 {
+        [entries.from_client, entries.from_pod]
+            .iter()
+            .filter_map(|k| self.get(k))
+            .map(|r| r.packets)
+            .sum()
+    }
+
+    async fn wait_end(
+        &self,
+        signals: &Signals,
+        entries: &Entries,
+        slot: u32,
+        limits: Limits,
+        start: Instant,
+    ) -> End {
+        let mut seen = self.packets(entries);
+        loop {
+            let deadline = match limits.max_lifetime {
+                Some(l) => (start + l).min(Instant::now() + limits.idle_timeout),
+                None => Instant::now() + limits.idle_timeout,
+            };
+            let wait = signals.wait(slot, || self.ended(entries).is_some());
+            if tokio::time::timeout_at(deadline.into(), wait).await.is_ok() {
+                return self.ended(entries).unwrap_or(End::Closed);
+            }
+            if limits.max_lifetime.is_some_and(|l| start.elapsed() >= l) {
+                return End::LifetimeExceeded;
+            }
+            let now = self.packets(entries);
+            if now == seen {
+                return End::IdleTimeout;
+            }
+            seen = now;
+        }
+    }
+
+    /// Removes the entries (after [`LINGER`] if the connection ended by itself) and
+    /// returns the bytes each direction carried.
+    async fn finish(&self, entries: &Entries, end: End) -> (u64, u64) {
+        if matches!(end, End::Closed | End::DownstreamReset | End::UpstreamReset) {
+            tokio::time::sleep(LINGER).await;
+        }
+        let c = self.get(&entries.from_client).map_or(0, |r| r.bytes);
+        let p = self.get(&entries.from_pod).map_or(0, |r| r.bytes);
+        self.remove(entries);
+        (c, p)
+    }
+}
+
+/// The four addresses of a connection that can be spliced by rewriting.
+struct Addrs {
+    client: SocketAddrV4,
+    a_local: SocketAddrV4,
+    b_local: SocketAddrV4,
+    pod: SocketAddrV4,
+}
+
+impl Addrs {
+    fn of(downstream: &TcpStream, upstream: &TcpStream) -> Option<Addrs> {
+        let v4 = |a: io::Result<SocketAddr>| match a.ok()? {
+            SocketAddr::V4(a) => Some(a),
+            SocketAddr::V6(a) => Some(SocketAddrV4::new(a.ip().to_ipv4_mapped()?, a.port())),
+        };
+        let addrs = Addrs {
+            client: v4(downstream.peer_addr())?,
+            a_local: v4(downstream.local_addr())?,
+            b_local: v4(upstream.local_addr())?,
+            pod: v4(upstream.peer_addr())?,
+        };
+        // Both ends on this host: every packet goes through lo, where the program is.
+        let local = |peer: &SocketAddrV4, me: &SocketAddrV4| {
+            peer.ip().is_loopback() || peer.ip() == me.ip()
+        };
+        (local(&addrs.client, &addrs.a_local) && local(&addrs.pod, &addrs.b_local)).then_some(addrs)
+    }
+}
+
+fn key(from: SocketAddrV4, to: SocketAddrV4) -> RewriteKey {
+    RewriteKey {
+        saddr: u32::from_ne_bytes(from.ip().octets()),
+        daddr: u32::from_ne_bytes(to.ip().octets()),
+        sport: from.port().to_be(),
+        dport: to.port().to_be(),
+    }
+}
+
+/// Sequence numbers at the hand-over.
+struct Seqs {
+    /// A's next byte to send (the client's next ack).
+    a_snd: u32,
+    /// A's next byte expected from the client.
+    a_rcv: u32,
+    /// B's next byte to send.
+    b_snd: u32,
+    /// B's next byte expected from the pod.
+    b_rcv: u32,
+}
+
+/// Step 1: A into repair mode with nothing unread, and both sockets' sequence numbers.
+/// None if A kept receiving or holds unacknowledged bytes (A is then out of repair mode).
+fn snapshot(
+    downstream: &TcpStream,
+    upstream: &TcpStream,
+    initial: &mut Vec<u8>,
+) -> io::Result<Option<Seqs>> {
+    let (a, b) = (downstream.as_raw_fd(), upstream.as_raw_fd());
+    if ioctl_int(b, libc::TIOCINQ)? != 0 || ioctl_int(b, libc::TIOCOUTQ)? != 0 {
+        return Ok(None);
+    }
+    for _ in 0..DRAIN_ROUNDS {
+        set_repair(a, 1)?;
+        if ioctl_int(a, libc::TIOCINQ)? == 0 {
+            if ioctl_int(a, libc::TIOCOUTQ)? != 0 {
+                set_repair(a, TCP_REPAIR_OFF_NO_WP)?;
+                return Ok(None);
+            }
+            let a_snd = queue_seq(a, TCP_SEND_QUEUE)?;
+            let a_rcv = queue_seq(a, TCP_RECV_QUEUE)?;
+            set_repair(b, 1)?;
+            let b_seqs =
+                queue_seq(b, TCP_SEND_QUEUE).and_then(|s| Ok((s, queue_seq(b, TCP_RECV_QUEUE)?)));
+            set_repair(b, TCP_REPAIR_OFF_NO_WP)?;
+            let (b_snd, b_rcv) = b_seqs?;
+            return Ok(Some(Seqs {
+                a_snd,
+                a_rcv,
+                b_snd,
+                b_rcv,
+            }));
+        }
+        set_repair(a, TCP_REPAIR_OFF_NO_WP)?;
+        let mut buf = [0u8; 16 * 1024];
+        loop {
+            match downstream.try_read(&mut buf) {
+                Ok(0) => return Ok(None),
+                Ok(n) => initial.extend_from_slice(&buf[..n]),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// B's `rcv_nxt` (B goes into repair mode for the read, and out again).
+fn rcv_nxt(b: RawFd) -> io::Result<u32> {
+    set_repair(b, 1)?;
+    let r = queue_seq(b, TCP_RECV_QUEUE);
+    set_repair(b, TCP_REPAIR_OFF_NO_WP)?;
+    r
+}
+
+/// Makes a socket out of repair mode close with a reset (when it is dropped).
+fn reset(s: &TcpStream) {
+    abort_on_close(s);
+}
+
+fn setsockopt_int(fd: RawFd, opt: libc::c_int, value: libc::c_int) -> io::Result<()> {
+    // SAFETY: a valid pointer to an int and its size.
+    let r = unsafe {
+        libc::setsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            opt,
+            (&raw const value).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+fn getsockopt_u32(fd: RawFd, opt: libc::c_int) -> io::Result<u32> {
+    let mut value: u32 = 0;
+    let mut len = std::mem::size_of::<u32>() as libc::socklen_t;
+    // SAFETY: a valid buffer of `len` bytes and its length.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            opt,
+            (&raw mut value).cast(),
+            &raw mut len,
+        )
+    };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(value)
+}
+
+fn set_repair(fd: RawFd, mode: libc::c_int) -> io::Result<()> {
+    setsockopt_int(fd, TCP_REPAIR, mode)
+}
+
+/// A queue's sequence number (the socket must be in repair mode): the send queue's is
+/// `write_seq`, the receive queue's `rcv_nxt`.
+fn queue_seq(fd: RawFd, queue: libc::c_int) -> io::Result<u32> {
+    setsockopt_int(fd, TCP_REPAIR_QUEUE, queue)?;
+    getsockopt_u32(fd, TCP_QUEUE_SEQ)
+}
+
+/// The socket's TSval clock as an offset from CLOCK_MONOTONIC in milliseconds, the
+/// clock the program reads.
+fn ts_clock(fd: RawFd) -> io::Result<u32> {
+    let ts = getsockopt_u32(fd, TCP_TIMESTAMP)?;
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid timespec to write into.
+    if unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &raw mut now) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let ms = (now.tv_sec as u64 * 1000 + now.tv_nsec as u64 / 1_000_000) as u32;
+    Ok(ts.wrapping_sub(ms))
+}
+
+fn ioctl_int(fd: RawFd, req: libc::Ioctl) -> io::Result<libc::c_int> {
+    let mut v: libc::c_int = 0;
+    // SAFETY: both requests write one int.
+    if unsafe { libc::ioctl(fd, req, &raw mut v) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(v)
+}
+
+/// What the rewrite needs of a connection's `TCP_INFO`.
+struct Info {
+    options: u8,
+    /// Shift applied to windows the peer advertises.
+    snd_wscale: u8,
+    /// Shift this socket applies to the windows it advertises.
+    rcv_wscale: u8,
+}
+
+impl Info {
+    /// A's and B's negotiated options agree, and each side's window scale is what the
+    /// other end expects: a window field passes through unchanged.
+    fn lines_up_with(&self, b: &Info) -> bool {
+        let mask = TCPI_OPT_TIMESTAMPS | TCPI_OPT_SACK | TCPI_OPT_WSCALE;
+        self.options & mask == b.options & mask
+            && self.snd_wscale == b.rcv_wscale
+            && b.snd_wscale == self.rcv_wscale
+    }
+}
+
+fn tcp_info(fd: RawFd) -> io::Result<Info> {
+    let mut buf = [0u8; 8];
+    let mut len = buf.len() as libc::socklen_t;
+    // SAFETY: a valid buffer of `len` bytes and its length; the kernel copies at most that.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            buf.as_mut_ptr().cast(),
+            &raw mut len,
+        )
+    };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // struct tcp_info: tcpi_options is byte 5, the two 4-bit window scales byte 6.
+    Ok(Info {
+        options: buf[5],
+        snd_wscale: buf[6] & 0xf,
+        rcv_wscale: buf[6] >> 4,
+    })
+}
+
+/// RCU grace periods for hand-overs, one `membarrier` for every hand-over waiting when it
+/// starts (about 8 ms each here). A thread of its own, as the call blocks.
+struct Grace {
+    /// (requested, started): generations asked for, and the one the running call covers.
+    state: Mutex<u64>,
+    wake: Condvar,
+    done: tokio::sync::watch::Sender<u64>,
+}
+
+impl Grace {
+    fn start() -> Arc<Grace> {
+        let grace = Arc::new(Grace {
+            state: Mutex::new(0),
+            wake: Condvar::new(),
+            done: tokio::sync::watch::Sender::new(0),
+        });
+        let weak = Arc::downgrade(&grace);
+        let spawned = std::thread::Builder::new()
+            .name("waypoint-grace".into())
+            .spawn(move || Grace::run(&weak));
+        if let Err(e) = spawned {
+            // Without the thread every hand-over would wait for ever: say so, and let
+            // `wait` fall back to a grace period of its own.
+            warn!(error = %e, "starting the rewrite grace thread failed");
+        }
+        grace
+    }
+
+    fn run(weak: &std::sync::Weak<Grace>) {
+        let mut done = 0;
+        loop {
+            let Some(grace) = weak.upgrade() else { return };
+            let target = {
+                let mut requested = lock(&grace.state);
+                while *requested == done {
+                    let (g, timeout) = grace
+                        .wake
+                        .wait_timeout(requested, Duration::from_secs(1))
+                        .unwrap_or_else(|p| p.into_inner());
+                    requested = g;
+                    if timeout.timed_out() && *requested == done && Arc::strong_count(&grace) == 1 {
+                        return;
+                    }
+                }
+                *requested
+            };
+            membarrier();
+            done = target;
+            grace.done.send_replace(done);
+        }
+    }
+
+    /// Returns once a grace period that started after this call has ended.
+    async fn wait(&self) {
+        let mine = {
+            let mut requested = lock(&self.state);
+            *requested += 1;
+            *requested
+        };
+        self.wake.notify_one();
+        let mut rx = self.done.subscribe();
+        if tokio::time::timeout(Duration::from_secs(5), rx.wait_for(|d| *d >= mine))
+            .await
+            .is_err()
+        {
+            // The thread is gone or stuck: one grace period of this task's own.
+            let _ = tokio::task::spawn_blocking(membarrier).await;
+        }
+    }
+}
+
+fn membarrier() {
+    // SAFETY: membarrier takes no pointers; MEMBARRIER_CMD_GLOBAL waits for an RCU grace
+    // period (synchronize_rcu) on a machine with more than one CPU, and on one CPU every
+    // packet in flight has been handled by the time this thread runs.
+    let r = unsafe { libc::syscall(libc::SYS_membarrier, MEMBARRIER_CMD_GLOBAL, 0, 0) };
+    if r < 0 {
+        warn!(error = %io::Error::last_os_error(), "membarrier failed; sleeping 50 ms instead");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

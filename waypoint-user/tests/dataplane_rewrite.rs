@@ -1,0 +1,244 @@
+//! The rewrite splice (`--rewrite-local`): connections whose client and pod are on this
+//! host are spliced by rewriting packet headers in a TC program on `lo`. Each test loads
+//! its own dataplane (a TCX program each, chained on `lo`), so that its counters and map
+//! entries are its own.
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+mod common;
+
+use std::{sync::Arc, time::Duration};
+
+use rand::RngCore as _;
+use sha2::{Digest as _, Sha256};
+use tokio::{
+    io::{AsyncReadExt as _, AsyncWriteExt as _},
+    net::{TcpListener, TcpStream},
+};
+use waypoint::dataplane::{ebpf, Dataplane, End, Limits};
+use waypoint_common::RewriteStat;
+
+const HELLO: usize = 517;
+const ANSWER: u8 = 0xa5;
+
+fn load() -> (Arc<Dataplane>, Arc<ebpf::Ebpf>) {
+    common::require_root();
+    let e = Arc::new(
+        ebpf::Ebpf::load(ebpf::Config {
+            splice_after: 0,
+            rewrite_local: true,
+            ..ebpf::Config::default()
+        })
+        .expect("the eBPF dataplane with the rewrite program must load (root, TCX kernel)"),
+    );
+    (Arc::new(Dataplane::Ebpf(e.clone())), e)
+}
+
+fn stat(e: &ebpf::Ebpf, which: RewriteStat) -> u64 {
+    let (_, stats) = e.rewrite_counts().unwrap();
+    stats.into_iter().find(|(s, _)| *s == which).unwrap().1
+}
+
+/// Client side of a connection through `proxy`: sends the hello, waits for the answer.
+async fn client(proxy: std::net::SocketAddr) -> TcpStream {
+    let mut c = TcpStream::connect(proxy).await.unwrap();
+    let hello: Vec<u8> = (0..HELLO).map(|i| i as u8).collect();
+    c.write_all(&hello).await.unwrap();
+    let mut answer = [0u8; 1];
+    c.read_exact(&mut answer).await.unwrap();
+    assert_eq!(answer, [ANSWER]);
+    c
+}
+
+/// Server side: accepts, checks the hello, answers.
+async fn server(listener: &TcpListener) -> TcpStream {
+    let (mut s, _) = listener.accept().await.unwrap();
+    let mut hello = vec![0u8; HELLO];
+    s.read_exact(&mut hello).await.unwrap();
+    assert!(
+        hello.iter().enumerate().all(|(i, b)| *b == i as u8),
+        "the hello arrives first and intact"
+    );
+    s.write_all(&[ANSWER]).await.unwrap();
+    s
+}
+
+async fn send_random(mut w: impl tokio::io::AsyncWrite + Unpin, total: u64, seed: u64) -> [u8; 32] {
+    use rand::SeedableRng as _;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 256 * 1024];
+    let mut left = total;
+    while left > 0 {
+        let n = left.min(buf.len() as u64) as usize;
+        rng.fill_bytes(&mut buf[..n]);
+        h.update(&buf[..n]);
+        w.write_all(&buf[..n]).await.unwrap();
+        left -= n as u64;
+    }
+    w.shutdown().await.unwrap();
+    h.finalize().into()
+}
+
+async fn recv_all(mut r: impl tokio::io::AsyncRead + Unpin) -> (u64, [u8; 32]) {
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 256 * 1024];
+    let mut total = 0u64;
+    loop {
+        let n = r.read(&mut buf).await.unwrap();
+        if n == 0 {
+            return (total, h.finalize().into());
+        }
+        total += n as u64;
+        h.update(&buf[..n]);
+    }
+}
+
+/// 256 MiB each way at once, SHA-256 compared, through rewritten packets only: the
+/// connection is counted as spliced by rewriting, the program rewrote its packets, and
+/// its entries are gone once it ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bulk_256mib_each_way_intact() {
+    const TOTAL: u64 = 256 * 1024 * 1024;
+    let (dp, e) = load();
+    let back = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut proxy = common::proxy(dp, back.local_addr().unwrap(), HELLO, Limits::default()).await;
+    let addr = proxy.addr;
+    let c = tokio::spawn(async move {
+        let c = client(addr).await;
+        let (r, w) = c.into_split();
+        tokio::join!(send_random(w, TOTAL, 1), recv_all(r))
+    });
+    let s = server(&back).await;
+    let (r, w) = s.into_split();
+    let (sent_back, got) = tokio::join!(send_random(w, TOTAL, 2), recv_all(r));
+    let (client_sent, client_got) = c.await.unwrap();
+    assert_eq!(got, (TOTAL, client_sent), "client → pod intact");
+    assert_eq!(client_got, (TOTAL, sent_back), "pod → client intact");
+    let outcome = common::next_outcome(&mut proxy, Duration::from_secs(30)).await;
+    assert_eq!(outcome.end, End::Closed);
+    assert_eq!(outcome.downstream_to_upstream, TOTAL + HELLO as u64);
+    assert_eq!(outcome.upstream_to_downstream, TOTAL + 1);
+    let (counts, stats) = e.rewrite_counts().unwrap();
+    eprintln!("{counts:?} {stats:?}");
+    assert_eq!(
+        counts.spliced, 1,
+        "spliced by rewriting, not by the SockHash"
+    );
+    assert_eq!(counts.stranded, 0);
+    assert_eq!(counts.live, 0);
+    assert!(
+        stat(&e, RewriteStat::Rewritten) > 1_000,
+        "the program rewrote the connection's packets"
+    );
+    assert_eq!(stat(&e, RewriteStat::BadOptions), 0);
+    assert_eq!(e.rewrite_entries(), 0, "the entries are removed at the end");
+}
+
+/// Request/response: 2,000 echoes of varying sizes, each checked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echoes_are_intact() {
+    let (dp, e) = load();
+    let back = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut proxy = common::proxy(dp, back.local_addr().unwrap(), HELLO, Limits::default()).await;
+    let addr = proxy.addr;
+    let pod = async {
+        let mut s = server(&back).await;
+        let mut buf = vec![0u8; 70_000];
+        loop {
+            let n = s.read(&mut buf).await.unwrap();
+            if n == 0 {
+                break;
+            }
+            s.write_all(&buf[..n]).await.unwrap();
+        }
+    };
+    let cl = async {
+        let mut c = client(addr).await;
+        let mut total = 0u64;
+        for i in 0..2_000u64 {
+            let len = [1usize, 64, 1_400, 9_000, 65_000][(i % 5) as usize];
+            let mut msg = vec![0u8; len];
+            common::pattern_fill(i, 0, &mut msg);
+            c.write_all(&msg).await.unwrap();
+            let mut back = vec![0u8; len];
+            c.read_exact(&mut back).await.unwrap();
+            assert_eq!(common::pattern_mismatch(i, 0, &back), None, "echo {i}");
+            total += len as u64;
+        }
+        c.shutdown().await.unwrap();
+        let mut rest = Vec::new();
+        c.read_to_end(&mut rest).await.unwrap();
+        assert!(rest.is_empty());
+        total
+    };
+    let ((), total) = tokio::join!(pod, cl);
+    let outcome = common::next_outcome(&mut proxy, Duration::from_secs(30)).await;
+    assert_eq!(outcome.end, End::Closed);
+    assert_eq!(outcome.downstream_to_upstream, total + HELLO as u64);
+    assert_eq!(outcome.upstream_to_downstream, total + 1);
+    assert_eq!(e.rewrite_counts().unwrap().0.spliced, 1);
+    assert_eq!(e.rewrite_entries(), 0);
+}
+
+/// A reset from the pod reaches the client, and the connection ends as such.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pod_reset_reaches_client() {
+    let (dp, e) = load();
+    let back = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut proxy = common::proxy(dp, back.local_addr().unwrap(), HELLO, Limits::default()).await;
+    let addr = proxy.addr;
+    let c = tokio::spawn(async move {
+        let mut c = client(addr).await;
+        c.write_all(b"ping").await.unwrap();
+        let mut buf = [0u8; 16];
+        c.read(&mut buf).await
+    });
+    let mut s = server(&back).await;
+    let mut ping = [0u8; 4];
+    s.read_exact(&mut ping).await.unwrap();
+    assert_eq!(&ping, b"ping");
+    socket2::SockRef::from(&s)
+        .set_linger(Some(Duration::ZERO))
+        .unwrap();
+    drop(s);
+    let read = c.await.unwrap();
+    assert_eq!(
+        read.map_err(|e| e.kind()),
+        Err(std::io::ErrorKind::ConnectionReset),
+        "the client sees the pod's reset"
+    );
+    let outcome = common::next_outcome(&mut proxy, Duration::from_secs(30)).await;
+    assert_eq!(outcome.end, End::UpstreamReset);
+    assert_eq!(e.rewrite_entries(), 0);
+}
+
+/// A half-close passes through: the client shuts its side, the pod reads EOF and goes on
+/// writing, and the client reads all of it before its EOF.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn half_close_passes_through() {
+    const REPLY: usize = 3 << 20;
+    let (dp, _e) = load();
+    let back = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut proxy = common::proxy(dp, back.local_addr().unwrap(), HELLO, Limits::default()).await;
+    let addr = proxy.addr;
+    let c = tokio::spawn(async move {
+        let mut c = client(addr).await;
+        c.write_all(b"request").await.unwrap();
+        c.shutdown().await.unwrap();
+        let mut got = Vec::new();
+        c.read_to_end(&mut got).await.unwrap();
+        got
+    });
+    let mut s = server(&back).await;
+    let mut req = Vec::new();
+    s.read_to_end(&mut req).await.unwrap();
+    assert_eq!(req, b"request");
+    let mut reply = vec![0u8; REPLY];
+    common::pattern_fill(9, 0, &mut reply);
+    s.write_all(&reply).await.unwrap();
+    s.shutdown().await.unwrap();
+    let got = c.await.unwrap();
+    assert_eq!(got.len(), REPLY);
+    assert_eq!(common::pattern_mismatch(9, 0, &got), None);
+    let outcome = common::next_outcome(&mut proxy, Duration::from_secs(30)).await;
+    assert_eq!(outcome.end, End::Closed);
+}
