@@ -71,7 +71,8 @@ pub struct Compare {
     /// Repetitions of every figure (default 3, or 1 with --quick).
     #[arg(long)]
     pub reps: Option<usize>,
-    /// Only these routers, comma-separated: direct, ebpf, splice, copy, nginx, haproxy.
+    /// Only these routers, comma-separated: direct, ebpf, ebpf-rewrite, splice, copy, nginx,
+    /// haproxy.
     /// Ratios need direct and nginx. Also `tc-rewrite`, an experiment never run by
     /// default: packets rewritten at lo's TC ingress (bench/experiments/tcp-rewrite;
     /// needs clang and libbpf-dev; bulk, latency and wake figures only).

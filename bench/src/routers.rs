@@ -65,6 +65,9 @@ pub enum Kind {
     Copy,
     Nginx,
     Haproxy,
+    /// The waypoint's eBPF dataplane with `--rewrite-local`: connections spliced by
+    /// rewriting packet headers on lo (every bench connection is same-host).
+    EbpfRewrite,
     /// Experiment, not a product: `experiments/tcp-rewrite` (a Python SNI proxy whose
     /// connections are spliced by rewriting packet headers at lo's TC ingress). Only
     /// with `--only tc-rewrite`; see docs/PERFORMANCE.md.
@@ -72,9 +75,10 @@ pub enum Kind {
 }
 
 impl Kind {
-    pub const ALL: [Kind; 6] = [
+    pub const ALL: [Kind; 7] = [
         Kind::Direct,
         Kind::Ebpf,
+        Kind::EbpfRewrite,
         Kind::Splice,
         Kind::Copy,
         Kind::Nginx,
@@ -89,6 +93,7 @@ impl Kind {
             Kind::Copy => "copy",
             Kind::Nginx => "nginx",
             Kind::Haproxy => "haproxy",
+            Kind::EbpfRewrite => "ebpf-rewrite",
             Kind::TcRewrite => "tc-rewrite",
         }
     }
@@ -108,7 +113,10 @@ impl Kind {
 
     /// A waypoint dataplane (the rows the goals apply to).
     pub fn is_waypoint(self) -> bool {
-        matches!(self, Kind::Ebpf | Kind::Splice | Kind::Copy)
+        matches!(
+            self,
+            Kind::Ebpf | Kind::EbpfRewrite | Kind::Splice | Kind::Copy
+        )
     }
 }
 
@@ -337,13 +345,25 @@ fn waypoint(
         .arg(format!("file:{}", file.display()))
         .args(["--cluster", "bench", "--node-name", "bench-node"])
         .args(["--pod-port", &s.port.to_string()])
-        .args(["--dataplane", kind.name()])
+        .args([
+            "--dataplane",
+            if kind == Kind::EbpfRewrite {
+                "ebpf"
+            } else {
+                kind.name()
+            },
+        ])
         .args(["--max-connections", &setup.max_connections.to_string()])
         // Twice the connections (two sockets each) plus room.
         .args([
             "--max-sockets",
             &(2 * setup.max_connections + 1024).max(262_144).to_string(),
         ])
+        .args(if kind == Kind::EbpfRewrite {
+            &["--rewrite-local"][..]
+        } else {
+            &[]
+        })
         .env(
             "RUST_LOG",
             std::env::var("WAYPOINT_BENCH_LOG").unwrap_or_else(|_| "warn".into()),

@@ -33,6 +33,11 @@ struct PathLabel {
     path: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabel {
+    result: &'static str,
+}
+
 /// The daemon's metrics.
 pub struct Metrics {
     registry: Registry,
@@ -40,6 +45,11 @@ pub struct Metrics {
     ebpf_segments: Family<ActionLabel, Counter>,
     ebpf_connections: Family<PathLabel, Counter>,
     ebpf_signals: Family<SignalLabel, Counter>,
+    rewrite_connections: Family<ResultLabel, Counter>,
+    rewrite_packets: Family<ActionLabel, Counter>,
+    rewrite_live: Gauge,
+    // Last totals read from the rewrite splice, as `ebpf_seen`.
+    rewrite_seen: Mutex<Vec<u64>>,
     // Last totals read from the dataplane, to turn them into counter increments: the
     // verdict's statistics, then the connections moved and fallen back, then the signals.
     ebpf_seen: Mutex<Vec<u64>>,
@@ -67,7 +77,31 @@ impl Metrics {
         let ebpf_segments = Family::<ActionLabel, Counter>::default();
         let ebpf_connections = Family::<PathLabel, Counter>::default();
         let ebpf_signals = Family::<SignalLabel, Counter>::default();
-        if matches!(*dataplane, Dataplane::Ebpf(_)) {
+        let rewrite_connections = Family::<ResultLabel, Counter>::default();
+        let rewrite_packets = Family::<ActionLabel, Counter>::default();
+        let rewrite_live = Gauge::default();
+        if let Dataplane::Ebpf(e) = &*dataplane {
+            if e.rewrite_counts().is_some() {
+                registry.register(
+                    "rewrite_connections",
+                    "Connections offered to the rewrite splice (--rewrite-local): spliced; \
+                     refused_* = handed to the SockHash (not_local, options, busy, setup); \
+                     stranded = a packet reached the waypoint's socket during the hand-over, \
+                     both ends reset",
+                    rewrite_connections.clone(),
+                );
+                registry.register(
+                    "rewrite_packets",
+                    "Packets of spliced connections seen by the rewrite program, by what it \
+                     did with them",
+                    rewrite_packets.clone(),
+                );
+                registry.register(
+                    "rewrite_live",
+                    "Connections spliced by rewriting now (their map entries are in)",
+                    rewrite_live.clone(),
+                );
+            }
             registry.register(
                 "ebpf_segments",
                 "Segments seen by the stream verdict, by what it did with them",
@@ -114,6 +148,10 @@ impl Metrics {
             ebpf_connections,
             ebpf_signals,
             ebpf_seen: Mutex::new(Vec::new()),
+            rewrite_connections,
+            rewrite_packets,
+            rewrite_live,
+            rewrite_seen: Mutex::new(Vec::new()),
             parked,
             parks,
             park_failures,
@@ -154,6 +192,31 @@ impl Metrics {
             for (j, (signal, total)) in signals.into_iter().enumerate() {
                 let counter = self.ebpf_signals.get_or_create(&SignalLabel { signal });
                 inc_to(&counter, &mut seen, n + 2 + j, total);
+            }
+            if let Some((counts, stats)) = e.rewrite_counts() {
+                let mut seen = self.rewrite_seen.lock().unwrap_or_else(|p| p.into_inner());
+                let mut results = vec![("spliced", counts.spliced), ("stranded", counts.stranded)];
+                for (reason, total) in crate::dataplane::rewrite::Refusal::ALL
+                    .iter()
+                    .zip(counts.refused)
+                {
+                    results.push((reason.metric_label(), total));
+                }
+                let k = results.len();
+                for (i, (result, total)) in results.into_iter().enumerate() {
+                    let counter = self
+                        .rewrite_connections
+                        .get_or_create(&ResultLabel { result });
+                    inc_to(&counter, &mut seen, i, total);
+                }
+                for (j, (stat, total)) in stats.into_iter().enumerate() {
+                    let counter = self.rewrite_packets.get_or_create(&ActionLabel {
+                        action: stat.label(),
+                    });
+                    inc_to(&counter, &mut seen, k + j, total);
+                }
+                self.rewrite_live
+                    .set(i64::try_from(counts.live).unwrap_or(i64::MAX));
             }
         }
         let p = crate::dataplane::parking();

@@ -242,3 +242,94 @@ async fn half_close_passes_through() {
     let outcome = common::next_outcome(&mut proxy, Duration::from_secs(30)).await;
     assert_eq!(outcome.end, End::Closed);
 }
+
+/// Clients that stream right behind their hello, without waiting for an answer: the
+/// hand-over may read what they sent (and forward it), refuse them (the SockHash takes
+/// them), or find a packet that slipped into the waypoint's socket (both ends reset).
+/// Whatever it does, no byte is lost or corrupted silently: the pod gets every byte in
+/// order and then EOF, or one of the two ends sees a reset.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eager_clients_lose_nothing_silently() {
+    const CONNS: u64 = 30;
+    const STREAM: u64 = 2 << 20;
+    let (dp, e) = load();
+    let back = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let proxy = common::proxy(dp, back.local_addr().unwrap(), HELLO, Limits::default()).await;
+    let addr = proxy.addr;
+    let mut intact = 0;
+    let mut reset = 0;
+    for seed in 0..CONNS {
+        let c = tokio::spawn(async move {
+            let mut c = TcpStream::connect(addr).await.unwrap();
+            let hello: Vec<u8> = (0..HELLO).map(|i| i as u8).collect();
+            c.write_all(&hello).await?;
+            let mut buf = vec![0u8; 64 * 1024];
+            let mut off = 0u64;
+            while off < STREAM {
+                let n = (buf.len() as u64).min(STREAM - off) as usize;
+                common::pattern_fill(seed, off, &mut buf[..n]);
+                c.write_all(&buf[..n]).await?;
+                off += n as u64;
+            }
+            c.shutdown().await?;
+            let mut rest = Vec::new();
+            c.read_to_end(&mut rest).await?;
+            Ok::<_, std::io::Error>(())
+        });
+        let (mut s, _) = back.accept().await.unwrap();
+        let mut hello = vec![0u8; HELLO];
+        s.read_exact(&mut hello).await.unwrap();
+        assert!(hello.iter().enumerate().all(|(i, b)| *b == i as u8));
+        let mut got = 0u64;
+        let mut buf = vec![0u8; 64 * 1024];
+        let pod = loop {
+            match s.read(&mut buf).await {
+                Ok(0) => break Ok(()),
+                Ok(n) => {
+                    assert_eq!(
+                        common::pattern_mismatch(seed, got, &buf[..n]),
+                        None,
+                        "connection {seed}: bytes corrupted or out of order at {got}"
+                    );
+                    got += n as u64;
+                }
+                Err(e) => break Err(e),
+            }
+        };
+        drop(s);
+        let client = tokio::time::timeout(Duration::from_secs(30), c)
+            .await
+            .expect("the client finishes")
+            .unwrap();
+        match (pod, client) {
+            (Ok(()), Ok(())) => {
+                assert_eq!(got, STREAM, "connection {seed}: EOF before every byte");
+                intact += 1;
+            }
+            (p, c) => {
+                let kinds = (p.map_err(|e| e.kind()), c.map_err(|e| e.kind()));
+                assert!(
+                    matches!(kinds.0, Err(std::io::ErrorKind::ConnectionReset))
+                        || matches!(
+                            kinds.1,
+                            Err(std::io::ErrorKind::ConnectionReset
+                                | std::io::ErrorKind::BrokenPipe)
+                        ),
+                    "connection {seed}: ended with {kinds:?}, neither intact nor reset"
+                );
+                reset += 1;
+            }
+        }
+    }
+    let (counts, _) = e.rewrite_counts().unwrap();
+    eprintln!("intact {intact}, reset {reset}: {counts:?}");
+    assert_eq!(
+        counts.spliced + counts.refused.iter().sum::<u64>(),
+        CONNS,
+        "every connection was spliced or refused"
+    );
+    assert_eq!(
+        reset, counts.stranded,
+        "a reset only where the hand-over found stranded bytes"
+    );
+}

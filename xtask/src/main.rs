@@ -81,7 +81,8 @@ struct CompareArgs {
     /// Repetitions of every figure (default 3; 1 with --quick).
     #[arg(long)]
     reps: Option<usize>,
-    /// Only these routers, comma-separated: direct, ebpf, splice, copy, nginx, haproxy.
+    /// Only these routers, comma-separated: direct, ebpf, ebpf-rewrite, splice, copy, nginx,
+    /// haproxy.
     /// Also tc-rewrite, an experiment never run by default (bench/experiments/tcp-rewrite;
     /// needs clang and libbpf-dev).
     #[arg(long)]

@@ -33,7 +33,7 @@
 use std::{
     io,
     net::{SocketAddr, SocketAddrV4},
-    os::fd::{AsRawFd, RawFd},
+    os::fd::{AsFd as _, AsRawFd, OwnedFd, RawFd},
     sync::{
         atomic::{AtomicU32, AtomicU64, Ordering::Relaxed},
         Arc, Condvar, Mutex, MutexGuard,
@@ -54,6 +54,9 @@ use super::{abort_on_close, End, Limits, Outcome};
 /// How long the entries of an ended connection stay: the last ACK, or a retransmitted
 /// FIN, must still be rewritten (an RTO is 200 ms at least, doubling).
 pub const LINGER: Duration = Duration::from_secs(3);
+
+/// Least time from the start of one forced grace period to the start of the next.
+const GRACE_INTERVAL: Duration = Duration::from_millis(100);
 
 /// Rounds of reading what A holds before giving the connection to the SockHash splice.
 const DRAIN_ROUNDS: usize = 3;
@@ -94,13 +97,23 @@ impl Refusal {
         Refusal::Setup,
     ];
 
-    /// A short label for metrics.
+    /// A short label for logs.
     pub const fn as_str(self) -> &'static str {
         match self {
             Refusal::NotLocal => "not_local",
             Refusal::Options => "options",
             Refusal::Busy => "busy",
             Refusal::Setup => "setup",
+        }
+    }
+
+    /// The `result` label of `waypoint_rewrite_connections_total`.
+    pub const fn metric_label(self) -> &'static str {
+        match self {
+            Refusal::NotLocal => "refused_not_local",
+            Refusal::Options => "refused_options",
+            Refusal::Busy => "refused_busy",
+            Refusal::Setup => "refused_setup",
         }
     }
 }
@@ -305,6 +318,10 @@ impl Rewriter {
         self.spliced.fetch_add(1, Relaxed);
         let mut upstream = upstream;
         let sent = upstream.write_all(&initial).await;
+        // From here on the connection holds only what it needs to end: a few hundred
+        // bytes per connection, with nothing registered in tokio's reactor.
+        let initial_len = initial.len() as u64;
+        drop(initial);
         // Step 3: after a grace period, nothing that passed the program before the
         // entries were in is still on its way to A or B.
         self.grace.wait().await;
@@ -333,13 +350,22 @@ impl Rewriter {
         }
         // Silent: A is in repair mode.
         drop(downstream);
+        // B only holds its 4-tuple now: out of the reactor (the diverted ACK would wake
+        // it), through a second descriptor, so that no close ever sends its FIN.
+        let upstream = match upstream.as_fd().try_clone_to_owned() {
+            Ok(fd) => {
+                drop(upstream);
+                Held::Fd(fd)
+            }
+            Err(_) => Held::Stream(upstream),
+        };
         let end = self.wait_end(signals, &entries, slot, limits, start).await;
         let (d2u, u2d) = self.finish(&entries, end).await;
         // Silent too: the pod learnt of the end from the client.
         let _ = set_repair(upstream.as_raw_fd(), 1);
         drop(upstream);
         Ok(Ok(Outcome {
-            downstream_to_upstream: initial.len() as u64 + d2u,
+            downstream_to_upstream: initial_len + d2u,
             upstream_to_downstream: u2d,
             end,
         }))
@@ -422,6 +448,21 @@ impl Rewriter {
         let p = self.get(&entries.from_pod).map_or(0, |r| r.bytes);
         self.remove(entries);
         (c, p)
+    }
+}
+
+/// The waypoint's socket to the pod while the connection is spliced.
+enum Held {
+    Fd(OwnedFd),
+    Stream(TcpStream),
+}
+
+impl AsRawFd for Held {
+    fn as_raw_fd(&self) -> RawFd {
+        match self {
+            Held::Fd(fd) => fd.as_raw_fd(),
+            Held::Stream(s) => s.as_raw_fd(),
+        }
     }
 }
 
@@ -695,9 +736,15 @@ impl Grace {
                 }
                 *requested
             };
+            let started = Instant::now();
             membarrier();
             done = target;
             grace.done.send_replace(done);
+            // Back to back, forced grace periods keep RCU busy on every CPU and cost
+            // the machine's other work a tail (measured: setup p99 1.15 ms instead of
+            // 0.28 ms pinned). Hand-overs can wait: nothing but the check waits on it.
+            drop(grace);
+            std::thread::sleep(GRACE_INTERVAL.saturating_sub(started.elapsed()));
         }
     }
 
