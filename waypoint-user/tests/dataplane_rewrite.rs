@@ -333,3 +333,100 @@ async fn eager_clients_lose_nothing_silently() {
         "a reset only where the hand-over found stranded bytes"
     );
 }
+
+/// Reads until the stream fails or ends: the error kind, or None at EOF.
+async fn read_until_error(s: &mut TcpStream) -> Option<std::io::ErrorKind> {
+    let mut buf = [0u8; 4096];
+    loop {
+        match s.read(&mut buf).await {
+            Ok(0) => return None,
+            Ok(_) => {}
+            Err(e) => return Some(e.kind()),
+        }
+    }
+}
+
+/// A packet that lands in the waypoint's accepted socket during the hand-over (here: the
+/// client sends while the hand-over is held between reading the sequence numbers and
+/// inserting the entries) would leave its bytes behind: the hand-over notices and
+/// resets both ends, at sequence numbers each accepts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stranded_bytes_reset_both_ends() {
+    common::require_root();
+    let e = Arc::new(
+        ebpf::Ebpf::load(ebpf::Config {
+            splice_after: 0,
+            rewrite_local: true,
+            rewrite_handover_pause: Some(Duration::from_millis(300)),
+            ..ebpf::Config::default()
+        })
+        .unwrap(),
+    );
+    let dp = Arc::new(Dataplane::Ebpf(e.clone()));
+    let back = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut proxy = common::proxy(dp, back.local_addr().unwrap(), HELLO, Limits::default()).await;
+    let addr = proxy.addr;
+    let c = tokio::spawn(async move {
+        let mut c = TcpStream::connect(addr).await.unwrap();
+        let hello: Vec<u8> = (0..HELLO).map(|i| i as u8).collect();
+        c.write_all(&hello).await.unwrap();
+        // The proxy has read the hello and is held in the hand-over.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        c.write_all(b"too early").await.unwrap();
+        read_until_error(&mut c).await
+    });
+    let mut s = server(&back).await;
+    let pod = tokio::time::timeout(Duration::from_secs(10), read_until_error(&mut s))
+        .await
+        .expect("the pod learns of the end");
+    let client = tokio::time::timeout(Duration::from_secs(10), c)
+        .await
+        .expect("the client learns of the end")
+        .unwrap();
+    assert_eq!(client, Some(std::io::ErrorKind::ConnectionReset), "client");
+    assert_eq!(pod, Some(std::io::ErrorKind::ConnectionReset), "pod");
+    let outcome = common::next_outcome(&mut proxy, Duration::from_secs(10)).await;
+    assert_eq!(outcome.end, End::Error(std::io::ErrorKind::InvalidData));
+    let (counts, _) = e.rewrite_counts().unwrap();
+    assert_eq!((counts.spliced, counts.stranded, counts.live), (1, 1, 0));
+    assert_eq!(e.rewrite_entries(), 0);
+}
+
+/// A spliced connection idle for the idle timeout is ended by the daemon: both ends get
+/// a reset they accept, and the entries go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_timeout_resets_both_ends() {
+    let (dp, e) = load();
+    let back = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let limits = Limits {
+        idle_timeout: Duration::from_millis(500),
+        ..Limits::default()
+    };
+    let mut proxy = common::proxy(dp, back.local_addr().unwrap(), HELLO, limits).await;
+    let addr = proxy.addr;
+    let c = tokio::spawn(async move {
+        let mut c = client(addr).await;
+        c.write_all(b"ping").await.unwrap();
+        let mut pong = [0u8; 4];
+        c.read_exact(&mut pong).await.unwrap();
+        read_until_error(&mut c).await
+    });
+    let mut s = server(&back).await;
+    let mut ping = [0u8; 4];
+    s.read_exact(&mut ping).await.unwrap();
+    s.write_all(b"pong").await.unwrap();
+    let pod = tokio::time::timeout(Duration::from_secs(10), read_until_error(&mut s))
+        .await
+        .expect("the pod learns of the end");
+    let client = tokio::time::timeout(Duration::from_secs(10), c)
+        .await
+        .expect("the client learns of the end")
+        .unwrap();
+    assert_eq!(client, Some(std::io::ErrorKind::ConnectionReset), "client");
+    assert_eq!(pod, Some(std::io::ErrorKind::ConnectionReset), "pod");
+    let outcome = common::next_outcome(&mut proxy, Duration::from_secs(10)).await;
+    assert_eq!(outcome.end, End::IdleTimeout);
+    assert_eq!(outcome.downstream_to_upstream, HELLO as u64 + 4);
+    assert_eq!(outcome.upstream_to_downstream, 1 + 4);
+    assert_eq!(e.rewrite_entries(), 0);
+}

@@ -133,6 +133,11 @@ pub struct Config {
     /// packets' headers in a TC program on `lo` (see `rewrite.rs`); the others, and
     /// those it refuses, take the SockHash.
     pub rewrite_local: bool,
+    /// Tests only: the rewrite hand-over sleeps this long between reading the sockets'
+    /// sequence numbers and inserting the entries, so that a test can land a packet in
+    /// the waypoint's socket meanwhile.
+    #[doc(hidden)]
+    pub rewrite_handover_pause: Option<Duration>,
 }
 
 impl Default for Config {
@@ -145,6 +150,7 @@ impl Default for Config {
             splice_after: DEFAULT_SPLICE_AFTER,
             signal_ring_bytes: waypoint_common::SIGNALS_BYTES,
             rewrite_local: false,
+            rewrite_handover_pause: None,
         }
     }
 }
@@ -366,7 +372,7 @@ impl Ebpf {
             prog.load().map_err(Error::Rewrite)?;
             prog.attach("lo", TcAttachType::Ingress)
                 .map_err(Error::Rewrite)?;
-            Some(Rewriter::new(map, rstats))
+            Some(Rewriter::new(map, rstats, config.rewrite_handover_pause))
         } else {
             None
         };

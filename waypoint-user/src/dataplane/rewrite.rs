@@ -49,7 +49,7 @@ use waypoint_common::{
 };
 
 use super::signals::Signals;
-use super::{abort_on_close, End, Limits, Outcome};
+use super::{End, Limits, Outcome};
 
 /// How long the entries of an ended connection stay: the last ACK, or a retransmitted
 /// FIN, must still be rewritten (an RTO is 200 ms at least, doubling).
@@ -153,6 +153,8 @@ pub(super) struct Rewriter {
     refused: [AtomicU64; 4],
     stranded: AtomicU64,
     live: AtomicU64,
+    /// See `ebpf::Config::rewrite_handover_pause`.
+    pause: Option<Duration>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -171,6 +173,7 @@ impl Rewriter {
     pub fn new(
         map: HashMap<MapData, RewriteKey, Rewrite>,
         stats: PerCpuArray<MapData, u64>,
+        pause: Option<Duration>,
     ) -> Self {
         Rewriter {
             map: Mutex::new(map),
@@ -181,6 +184,7 @@ impl Rewriter {
             refused: Default::default(),
             stranded: AtomicU64::new(0),
             live: AtomicU64::new(0),
+            pause,
         }
     }
 
@@ -252,6 +256,10 @@ impl Rewriter {
         if !info_a.lines_up_with(&info_b) {
             return Err(self.refuse(Refusal::Options, downstream, upstream, initial));
         }
+        // Neither socket has sent a byte: a rewritten packet cannot acknowledge them.
+        if info_a.unacked != 0 || info_b.unacked != 0 {
+            return Err(self.refuse(Refusal::Busy, downstream, upstream, initial));
+        }
         let seqs = match snapshot(&downstream, &upstream, &mut initial) {
             Ok(Some(s)) => s,
             Ok(None) => return Err(self.refuse(Refusal::Busy, downstream, upstream, initial)),
@@ -273,6 +281,9 @@ impl Rewriter {
         } else {
             (0, 0)
         };
+        if let Some(pause) = self.pause {
+            tokio::time::sleep(pause).await;
+        }
         let slot = REWRITE_SLOT_BASE | (self.next_slot.fetch_add(1, Relaxed) & !REWRITE_SLOT_BASE);
         let hello_end = seqs.b_snd.wrapping_add(initial.len() as u32);
         let entries = Entries {
@@ -330,16 +341,18 @@ impl Rewriter {
             _ => true,
         };
         if stranded {
-            self.remove(&entries);
             self.stranded.fetch_add(1, Relaxed);
             warn!(
                 client = %addrs.client,
                 "a packet reached the waypoint's socket during the rewrite hand-over (a client \
                  that sent before the server answered): both ends reset"
             );
-            let _ = set_repair(a, TCP_REPAIR_OFF_NO_WP);
-            reset(&downstream);
-            reset(&upstream);
+            // The pod holds everything up to the hello and waits for the stranded bytes.
+            self.abort(&addrs, &entries, Some(hello_end));
+            // Silent, both: the resets are out.
+            let _ = set_repair(b, 1);
+            drop(downstream);
+            drop(upstream);
             return Ok(match sent {
                 Ok(()) => Err(io::Error::new(
                     io::ErrorKind::InvalidData,
@@ -360,7 +373,7 @@ impl Rewriter {
             Err(_) => Held::Stream(upstream),
         };
         let end = self.wait_end(signals, &entries, slot, limits, start).await;
-        let (d2u, u2d) = self.finish(&entries, end).await;
+        let (d2u, u2d) = self.finish(&addrs, &entries, end).await;
         // Silent too: the pod learnt of the end from the client.
         let _ = set_repair(upstream.as_raw_fd(), 1);
         drop(upstream);
@@ -438,12 +451,39 @@ impl Rewriter {
         }
     }
 
-    /// Removes the entries (after [`LINGER`] if the connection ended by itself) and
-    /// returns the bytes each direction carried.
-    async fn finish(&self, entries: &Entries, end: End) -> (u64, u64) {
-        if matches!(end, End::Closed | End::DownstreamReset | End::UpstreamReset) {
-            tokio::time::sleep(LINGER).await;
+    /// Removes the entries and resets both ends, each at the sequence number it expects
+    /// next (what the program saw the other end send, moved into its number space), or
+    /// the pod at `pod_seq`. Returns the bytes each direction carried.
+    fn abort(&self, addrs: &Addrs, entries: &Entries, pod_seq: Option<u32>) -> (u64, u64) {
+        let c = self.get(&entries.from_client);
+        let p = self.get(&entries.from_pod);
+        self.remove(entries);
+        let mut sent = 0;
+        if let Some(p) = p {
+            let seq = p.next_seq.wrapping_add(p.seq_add);
+            sent += u32::from(send_rst(addrs.a_local, addrs.client, seq).is_ok());
         }
+        if let Some(c) = c {
+            let seq = pod_seq.unwrap_or(c.next_seq.wrapping_add(c.seq_add));
+            sent += u32::from(send_rst(addrs.b_local, addrs.pod, seq).is_ok());
+        }
+        if sent < 2 {
+            warn!(
+                "resetting a spliced connection's ends failed (no CAP_NET_RAW?): they learn \
+                   of its end at their next packet"
+            );
+        }
+        (c.map_or(0, |r| r.bytes), p.map_or(0, |r| r.bytes))
+    }
+
+    /// Removes the entries (after [`LINGER`] if the connection ended by itself; with
+    /// resets to both ends if the daemon ends it) and returns the bytes each direction
+    /// carried.
+    async fn finish(&self, addrs: &Addrs, entries: &Entries, end: End) -> (u64, u64) {
+        if matches!(end, End::IdleTimeout | End::LifetimeExceeded) {
+            return self.abort(addrs, entries, None);
+        }
+        tokio::time::sleep(LINGER).await;
         let c = self.get(&entries.from_client).map_or(0, |r| r.bytes);
         let p = self.get(&entries.from_pod).map_or(0, |r| r.bytes);
         self.remove(entries);
@@ -516,23 +556,20 @@ struct Seqs {
 }
 
 /// Step 1: A into repair mode with nothing unread, and both sockets' sequence numbers.
-/// None if A kept receiving or holds unacknowledged bytes (A is then out of repair mode).
+/// None if A kept receiving, or B holds bytes from the pod (A is then out of repair mode).
 fn snapshot(
     downstream: &TcpStream,
     upstream: &TcpStream,
     initial: &mut Vec<u8>,
 ) -> io::Result<Option<Seqs>> {
     let (a, b) = (downstream.as_raw_fd(), upstream.as_raw_fd());
-    if ioctl_int(b, libc::TIOCINQ)? != 0 || ioctl_int(b, libc::TIOCOUTQ)? != 0 {
+    // A pod that spoke first (B holds its bytes) is not for this splice.
+    if ioctl_int(b, libc::TIOCINQ)? != 0 {
         return Ok(None);
     }
     for _ in 0..DRAIN_ROUNDS {
         set_repair(a, 1)?;
         if ioctl_int(a, libc::TIOCINQ)? == 0 {
-            if ioctl_int(a, libc::TIOCOUTQ)? != 0 {
-                set_repair(a, TCP_REPAIR_OFF_NO_WP)?;
-                return Ok(None);
-            }
             let a_snd = queue_seq(a, TCP_SEND_QUEUE)?;
             let a_rcv = queue_seq(a, TCP_RECV_QUEUE)?;
             set_repair(b, 1)?;
@@ -569,9 +606,46 @@ fn rcv_nxt(b: RawFd) -> io::Result<u32> {
     r
 }
 
-/// Makes a socket out of repair mode close with a reset (when it is dropped).
-fn reset(s: &TcpStream) {
-    abort_on_close(s);
+/// Sends a reset from `from` to `to` with sequence number `seq`, through a raw socket:
+/// a spliced connection's ends no longer talk to the waypoint's sockets, whose own
+/// resets would carry sequence numbers the ends left behind (and be ignored).
+fn send_rst(from: SocketAddrV4, to: SocketAddrV4, seq: u32) -> io::Result<()> {
+    let sock = socket2::Socket::new(
+        socket2::Domain::IPV4,
+        socket2::Type::RAW,
+        Some(socket2::Protocol::TCP),
+    )?;
+    sock.bind(&SocketAddr::V4(SocketAddrV4::new(*from.ip(), 0)).into())?;
+    let mut tcp = [0u8; 20];
+    tcp[0..2].copy_from_slice(&from.port().to_be_bytes());
+    tcp[2..4].copy_from_slice(&to.port().to_be_bytes());
+    tcp[4..8].copy_from_slice(&seq.to_be_bytes());
+    tcp[12] = 5 << 4;
+    tcp[13] = 0x04; // RST
+    let csum = tcp_checksum(from, to, &tcp);
+    tcp[16..18].copy_from_slice(&csum.to_be_bytes());
+    sock.send_to(&tcp, &SocketAddr::V4(SocketAddrV4::new(*to.ip(), 0)).into())?;
+    Ok(())
+}
+
+/// The TCP checksum of `segment` (checksum field zero) over the IPv4 pseudo header.
+fn tcp_checksum(from: SocketAddrV4, to: SocketAddrV4, segment: &[u8]) -> u16 {
+    let mut sum: u32 = 0;
+    let mut add = |bytes: &[u8]| {
+        for pair in bytes.chunks(2) {
+            let hi = u32::from(pair[0]) << 8;
+            sum += hi | pair.get(1).map_or(0, |&lo| u32::from(lo));
+        }
+    };
+    add(&from.ip().octets());
+    add(&to.ip().octets());
+    add(&[0, 6]);
+    add(&(segment.len() as u16).to_be_bytes());
+    add(segment);
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
 }
 
 fn setsockopt_int(fd: RawFd, opt: libc::c_int, value: libc::c_int) -> io::Result<()> {
@@ -648,6 +722,10 @@ fn ioctl_int(fd: RawFd, req: libc::Ioctl) -> io::Result<libc::c_int> {
 
 /// What the rewrite needs of a connection's `TCP_INFO`.
 struct Info {
+    /// Segments sent and not acknowledged.
+    unacked: u32,
+    /// The MSS this socket advertised (from its route's MTU).
+    advmss: u32,
     options: u8,
     /// Shift applied to windows the peer advertises.
     snd_wscale: u8,
@@ -659,15 +737,18 @@ impl Info {
     /// A's and B's negotiated options agree, and each side's window scale is what the
     /// other end expects: a window field passes through unchanged.
     fn lines_up_with(&self, b: &Info) -> bool {
+        // Equal MSS: each end was told the same segment size, so a segment one end sends
+        // fits the other's path.
         let mask = TCPI_OPT_TIMESTAMPS | TCPI_OPT_SACK | TCPI_OPT_WSCALE;
         self.options & mask == b.options & mask
             && self.snd_wscale == b.rcv_wscale
             && b.snd_wscale == self.rcv_wscale
+            && self.advmss == b.advmss
     }
 }
 
 fn tcp_info(fd: RawFd) -> io::Result<Info> {
-    let mut buf = [0u8; 8];
+    let mut buf = [0u8; 92];
     let mut len = buf.len() as libc::socklen_t;
     // SAFETY: a valid buffer of `len` bytes and its length; the kernel copies at most that.
     let r = unsafe {
@@ -682,8 +763,15 @@ fn tcp_info(fd: RawFd) -> io::Result<Info> {
     if r < 0 {
         return Err(io::Error::last_os_error());
     }
-    // struct tcp_info: tcpi_options is byte 5, the two 4-bit window scales byte 6.
+    if (len as usize) < buf.len() {
+        return Err(io::Error::new(io::ErrorKind::Unsupported, "short TCP_INFO"));
+    }
+    let u32_at = |at: usize| u32::from_ne_bytes([buf[at], buf[at + 1], buf[at + 2], buf[at + 3]]);
+    // struct tcp_info: tcpi_options is byte 5, the two 4-bit window scales byte 6,
+    // tcpi_unacked at 24, tcpi_advmss at 84.
     Ok(Info {
+        unacked: u32_at(24),
+        advmss: u32_at(84),
         options: buf[5],
         snd_wscale: buf[6] & 0xf,
         rcv_wscale: buf[6] >> 4,
