@@ -65,7 +65,7 @@ pub enum Kind {
     Copy,
     Nginx,
     Haproxy,
-    /// The waypoint's eBPF dataplane with `--rewrite-local`: connections spliced by
+    /// The waypoint's eBPF dataplane with `--rewrite-splice`: connections spliced by
     /// rewriting packet headers on lo (every bench connection is same-host).
     EbpfRewrite,
     /// Experiment, not a product: `experiments/tcp-rewrite` (a Python SNI proxy whose
@@ -360,7 +360,7 @@ fn waypoint(
             &(2 * setup.max_connections + 1024).max(262_144).to_string(),
         ])
         .args(if kind == Kind::EbpfRewrite {
-            &["--rewrite-local"][..]
+            &["--rewrite-splice"][..]
         } else {
             &[]
         })

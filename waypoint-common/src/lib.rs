@@ -280,10 +280,13 @@ pub enum RewriteStat {
     BadOptions = 2,
     /// SYNs with a spliced 4-tuple: both entries removed, the SYN passed on.
     Syn = 3,
+    /// Rewritten packets with no route to their new destination (or too big for it):
+    /// dropped, and left to TCP's retransmission.
+    Unroutable = 4,
 }
 
 /// Number of entries in the rewrite statistics array.
-pub const REWRITE_STAT_COUNT: u32 = 4;
+pub const REWRITE_STAT_COUNT: u32 = 5;
 
 impl RewriteStat {
     /// Every statistic, in index order.
@@ -292,6 +295,7 @@ impl RewriteStat {
         RewriteStat::Diverted,
         RewriteStat::BadOptions,
         RewriteStat::Syn,
+        RewriteStat::Unroutable,
     ];
 
     /// A short label for metrics.
@@ -301,6 +305,7 @@ impl RewriteStat {
             RewriteStat::Diverted => "diverted",
             RewriteStat::BadOptions => "bad_options",
             RewriteStat::Syn => "syn",
+            RewriteStat::Unroutable => "unroutable",
         }
     }
 }

@@ -9,14 +9,20 @@
 //! See `waypoint_common::Rewrite` for the fields and docs/ARCHITECTURE.md for the
 //! hand-over.
 //!
-//! Every rewritten packet still goes through the local stack (TC_ACT_OK): the daemon
-//! splices this way only connections whose two ends are on this host.
+//! A rewritten packet leaves through the interface towards its new destination
+//! (`bpf_fib_lookup`, `bpf_redirect_neigh`), or goes up the local stack if that is this
+//! host. The program is attached to the ingress of every interface of the node.
 
 use aya_ebpf::{
-    bindings::{BPF_F_NO_PREALLOC, BPF_F_PSEUDO_HDR, TC_ACT_OK},
+    bindings::{
+        bpf_fib_lookup, BPF_FIB_LKUP_RET_FWD_DISABLED, BPF_FIB_LKUP_RET_NOT_FWDED,
+        BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, BPF_F_INGRESS, BPF_F_NO_PREALLOC,
+        BPF_F_PSEUDO_HDR, TC_ACT_OK,
+    },
     cty::c_void,
     helpers::{
-        bpf_ktime_get_ns, bpf_l3_csum_replace, bpf_l4_csum_replace, bpf_skb_load_bytes,
+        bpf_fib_lookup as fib_lookup_helper, bpf_ktime_get_ns, bpf_l3_csum_replace,
+        bpf_l4_csum_replace, bpf_redirect, bpf_redirect_neigh, bpf_skb_load_bytes,
         bpf_skb_store_bytes,
     },
     macros::{classifier, map},
@@ -86,12 +92,73 @@ struct Headers {
 /// daemons (tests, or a restart overlapping the old process) may each attach one.
 const TC_ACT_UNSPEC: i32 = -1;
 
+const TC_ACT_SHOT: i32 = 2;
+/// The loopback device's index, the same in every network namespace.
+const LOOPBACK_IFINDEX: u32 = 1;
+const AF_INET: u8 = 2;
+
 #[classifier]
 pub fn waypoint_rewrite(ctx: TcContext) -> i32 {
-    if rewrite(&ctx) {
-        TC_ACT_OK
-    } else {
-        TC_ACT_UNSPEC
+    match rewrite(&ctx) {
+        Some(to) => deliver(&ctx, &to),
+        None => TC_ACT_UNSPEC,
+    }
+}
+
+/// Sends a rewritten packet on its way: out of the interface towards its new
+/// destination, or up the local stack if that is this host. The stack's own forwarding
+/// would drop it: its source is now one of this host's addresses ("martian").
+#[inline(always)]
+fn deliver(ctx: &TcContext, to: &RewriteKey) -> i32 {
+    // SAFETY: the context's skb, valid for the call.
+    let ingress = unsafe { (*ctx.skb.skb).ingress_ifindex };
+    // SAFETY: all-zero is a valid value of this plain C struct.
+    let mut fib: bpf_fib_lookup = unsafe { core::mem::zeroed() };
+    fib.family = AF_INET;
+    fib.l4_protocol = IPPROTO_TCP;
+    fib.sport = to.sport;
+    fib.dport = to.dport;
+    fib.ifindex = ingress;
+    fib.__bindgen_anon_3.ipv4_src = to.saddr;
+    fib.__bindgen_anon_4.ipv4_dst = to.daddr;
+    // SAFETY: the context's skb and a parameter block of the size passed.
+    let rc = unsafe {
+        fib_lookup_helper(
+            ctx.skb.skb.cast::<c_void>(),
+            &raw mut fib,
+            core::mem::size_of::<bpf_fib_lookup>() as i32,
+            0,
+        )
+    } as u32;
+    match rc {
+        BPF_FIB_LKUP_RET_SUCCESS | BPF_FIB_LKUP_RET_NO_NEIGH => {
+            // SAFETY: no parameters: the helper resolves the next hop itself.
+            unsafe { bpf_redirect_neigh(fib.ifindex, core::ptr::null_mut(), 0, 0) as i32 }
+        }
+        // Arrived on lo: sent by this host to one of its addresses. With forwarding off
+        // (not a node, a test machine), the lookup stops at that, and the packet is for
+        // this host too.
+        BPF_FIB_LKUP_RET_NOT_FWDED | BPF_FIB_LKUP_RET_FWD_DISABLED
+            if ingress == LOOPBACK_IFINDEX =>
+        {
+            TC_ACT_OK
+        }
+        BPF_FIB_LKUP_RET_NOT_FWDED => {
+            // For this host, arrived from outside: in through lo, where a local source
+            // address is at home. lo's address is all zeros, and a frame for another
+            // address would be taken for someone else's.
+            let zero = [0u8; 6];
+            // SAFETY: six bytes from the stack at the start of the frame, which the
+            // helper checks against the packet.
+            unsafe {
+                bpf_skb_store_bytes(ctx.skb.skb, 0, zero.as_ptr().cast(), 6, 0);
+                bpf_redirect(LOOPBACK_IFINDEX, u64::from(BPF_F_INGRESS)) as i32
+            }
+        }
+        _ => {
+            count(RewriteStat::Unroutable);
+            TC_ACT_SHOT
+        }
     }
 }
 
@@ -140,21 +207,22 @@ fn signal(slot: u32) {
     }
 }
 
-/// Rewrites the packet if it belongs to a spliced connection; false if it does not.
+/// Rewrites the packet if it belongs to a spliced connection, and returns the 4-tuple
+/// it now has; None if it is not ours (or is a SYN that ended the splice).
 #[inline(always)]
-fn rewrite(ctx: &TcContext) -> bool {
+fn rewrite(ctx: &TcContext) -> Option<RewriteKey> {
     let skb = ctx.skb.skb;
     let mut h = core::mem::MaybeUninit::<Headers>::uninit();
     let size = core::mem::size_of::<Headers>() as u32;
     // SAFETY: the helper writes at most `size` bytes into `h`, which has that size, and
     // fails on a shorter packet (which is then not ours).
     if unsafe { bpf_skb_load_bytes(skb.cast::<c_void>(), 0, h.as_mut_ptr().cast(), size) } < 0 {
-        return false;
+        return None;
     }
     // SAFETY: fully written by the successful load above; every bit pattern is valid.
     let h = unsafe { h.assume_init() };
     if h.proto != ETH_P_IP.to_be() || h.ver_ihl != 0x45 || h.protocol != IPPROTO_TCP {
-        return false;
+        return None;
     }
     let key = RewriteKey {
         saddr: h.saddr,
@@ -163,7 +231,7 @@ fn rewrite(ctx: &TcContext) -> bool {
         dport: h.dport,
     };
     let Some(r) = REWRITES.get_ptr_mut(&key) else {
-        return false;
+        return None;
     };
     // SAFETY: a successful lookup in a non-preallocated hash map: the element stays
     // valid for this invocation (RCU), even if userspace removes it meanwhile.
@@ -182,7 +250,7 @@ fn rewrite(ctx: &TcContext) -> bool {
         let _ = REWRITES.remove(&key);
         let _ = REWRITES.remove(&reverse);
         signal(w.slot);
-        return false;
+        return None;
     }
     let doff = u32::from(h.doff >> 4) * 4;
     let payload = u32::from(u16::from_be(h.tot_len))
@@ -200,7 +268,8 @@ fn rewrite(ctx: &TcContext) -> bool {
             r.flags &= !REWRITE_WATCH;
         }
         count(RewriteStat::Diverted);
-        return true;
+        // To the waypoint's own socket, unchanged otherwise: the stack delivers it.
+        return None;
     }
     let end = seq.wrapping_add(payload);
     if payload > 0 && !seq_ge(w.next_seq, end) {
@@ -256,7 +325,7 @@ fn rewrite(ctx: &TcContext) -> bool {
     if ended {
         signal(w.slot);
     }
-    true
+    Some(w.to)
 }
 
 /// Reads `N` bytes of the packet at `off`; None past its end.

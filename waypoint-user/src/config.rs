@@ -259,12 +259,13 @@ pub struct Config {
     #[arg(long, env = "WAYPOINT_SPLICE_AFTER", value_parser = parse_bytes, default_value = "16KiB")]
     pub splice_after: u64,
 
-    /// eBPF dataplane (experimental): splice a connection whose client and pod are both
-    /// on this host by rewriting its packets' headers in a TC program on `lo`, so that
-    /// client and pod share one TCP connection's kernel work. Other connections, and
-    /// those whose TCP options differ, take the SockHash. Needs CAP_NET_ADMIN (TCP_REPAIR).
-    #[arg(long, env = "WAYPOINT_REWRITE_LOCAL")]
-    pub rewrite_local: bool,
+    /// eBPF dataplane (experimental): splice each connection by rewriting its packets'
+    /// headers in a TC program on every interface of the node, so that client and pod
+    /// hold one TCP conversation and the waypoint's sockets carry no byte. Connections
+    /// whose two sides negotiated different TCP options or MSS take the SockHash. Needs
+    /// CAP_NET_ADMIN (TCP_REPAIR, TC) and CAP_NET_RAW (resets); IPv4.
+    #[arg(long, env = "WAYPOINT_REWRITE_SPLICE")]
+    pub rewrite_splice: bool,
 
     /// Splice dataplane: pipe capacity per direction of a connection.
     #[arg(long, env = "WAYPOINT_PIPE_SIZE", value_parser = parse_bytes, default_value = "1MiB")]
@@ -362,7 +363,7 @@ impl Config {
             bulk_send_buffer: usize::try_from(self.bulk_send_buffer).unwrap_or(usize::MAX),
             max_sockets: self.max_sockets,
             splice_after: self.splice_after,
-            rewrite_local: self.rewrite_local,
+            rewrite_splice: self.rewrite_splice,
             ..dataplane::ebpf::Config::default()
         }
     }

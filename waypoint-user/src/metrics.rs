@@ -84,8 +84,8 @@ impl Metrics {
             if e.rewrite_counts().is_some() {
                 registry.register(
                     "rewrite_connections",
-                    "Connections offered to the rewrite splice (--rewrite-local): spliced; \
-                     refused_* = handed to the SockHash (not_local, options, busy, setup); \
+                    "Connections offered to the rewrite splice (--rewrite-splice): spliced; \
+                     refused_* = handed to the SockHash (not_ipv4, options, busy, setup); \
                      stranded = a packet reached the waypoint's socket during the hand-over, \
                      both ends reset",
                     rewrite_connections.clone(),

@@ -1,4 +1,4 @@
-//! The rewrite splice (`--rewrite-local`): connections whose client and pod are on this
+//! The rewrite splice (`--rewrite-splice`): connections whose client and pod are on this
 //! host are spliced by rewriting packet headers in a TC program on `lo`. Each test loads
 //! its own dataplane (a TCX program each, chained on `lo`), so that its counters and map
 //! entries are its own.
@@ -24,7 +24,7 @@ fn load() -> (Arc<Dataplane>, Arc<ebpf::Ebpf>) {
     let e = Arc::new(
         ebpf::Ebpf::load(ebpf::Config {
             splice_after: 0,
-            rewrite_local: true,
+            rewrite_splice: true,
             ..ebpf::Config::default()
         })
         .expect("the eBPF dataplane with the rewrite program must load (root, TCX kernel)"),
@@ -356,7 +356,7 @@ async fn stranded_bytes_reset_both_ends() {
     let e = Arc::new(
         ebpf::Ebpf::load(ebpf::Config {
             splice_after: 0,
-            rewrite_local: true,
+            rewrite_splice: true,
             rewrite_handover_pause: Some(Duration::from_millis(300)),
             ..ebpf::Config::default()
         })

@@ -38,6 +38,8 @@ pub struct Options {
     pub hello_timeout: Duration,
     /// `--drain-timeout`.
     pub drain_timeout: Duration,
+    /// More arguments for every daemon (e.g. `--rewrite-splice`).
+    pub daemon_extra: Vec<String>,
 }
 
 impl Options {
@@ -51,6 +53,7 @@ impl Options {
             lease_ttl: Duration::from_secs(4),
             hello_timeout: Duration::from_secs(2),
             drain_timeout: Duration::from_secs(5),
+            daemon_extra: Vec::new(),
         }
     }
 }
@@ -360,6 +363,9 @@ impl World {
             "--drain-timeout".into(),
             ms(self.opts.drain_timeout),
         ]
+        .into_iter()
+        .chain(self.opts.daemon_extra.iter().cloned())
+        .collect()
     }
 
     /// Starts the daemon of node `name` (replacing, and so killing, a previous handle).

@@ -34,7 +34,7 @@ const MIB: u64 = 1 << 20;
 /// A named scenario.
 type Step = (&'static str, fn(&mut World));
 
-fn options(dataplane: &str) -> Options {
+fn options(dataplane: &str, extra: &[&str]) -> Options {
     world::require_root().expect("this test needs root; CI runs it as root");
     let e2e = PathBuf::from(env!("CARGO_BIN_EXE_waypoint-e2e"));
     let waypoint = match std::env::var_os("WAYPOINT_BIN") {
@@ -46,24 +46,42 @@ fn options(dataplane: &str) -> Options {
         }
     };
     let mut opts = Options::new(dataplane, waypoint, e2e);
-    // Per dataplane, so that a failed run's logs survive the next run.
-    opts.run_dir = std::env::temp_dir().join(format!("waypoint-e2e-{dataplane}"));
+    opts.daemon_extra = extra.iter().map(|s| (*s).to_owned()).collect();
+    // Per run, so that a failed run's logs survive the next run.
+    opts.run_dir = std::env::temp_dir().join(format!("waypoint-e2e-{}", label(dataplane, extra)));
     opts
+}
+
+fn label(dataplane: &str, extra: &[&str]) -> String {
+    std::iter::once(dataplane)
+        .chain(extra.iter().map(|a| a.trim_start_matches('-')))
+        .collect::<Vec<_>>()
+        .join("-")
 }
 
 #[test]
 fn two_clusters_ebpf() {
-    run("ebpf");
+    run("ebpf", &[]);
+}
+
+/// The same world with every connection spliced by rewriting packet headers: the
+/// client's packets arrive on a node's uplink and leave towards the pod's bridge, and
+/// back.
+#[test]
+fn two_clusters_ebpf_rewrite_splice() {
+    run("ebpf", &["--rewrite-splice"]);
 }
 
 #[test]
 fn two_clusters_splice() {
-    run("splice");
+    run("splice", &[]);
 }
 
-fn run(dataplane: &str) {
+fn run(dataplane: &str, extra: &[&str]) {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let opts = options(dataplane);
+    let opts = options(dataplane, extra);
+    let dataplane = label(dataplane, extra);
+    let dataplane = dataplane.as_str();
     let started = Instant::now();
     let mut w = World::up(opts).expect("bringing the two clusters up");
     eprintln!("[{dataplane}] world up in {:.1?}", started.elapsed());
@@ -190,6 +208,15 @@ fn cross_cluster(w: &mut World) {
     })
     .unwrap_or_else(|_| panic!("waypoint {via} counted the bytes: {:?}", after[&via]));
     assert_eq!(after[&via].opened(), before[&via].opened() + 1.0);
+    if w.opts.daemon_extra.iter().any(|a| a == "--rewrite-splice") {
+        let spliced = r#"waypoint_rewrite_connections_total{result="spliced"}"#;
+        assert_eq!(
+            after[&via].get(spliced),
+            before[&via].get(spliced) + 1.0,
+            "spliced by rewriting, not by the SockHash: {:?}",
+            after[&via]
+        );
+    }
     for (node, m) in &after {
         if *node != via {
             assert!(!m.router_moved(&before[node]), "waypoint {node} moved");

@@ -129,10 +129,9 @@ pub struct Config {
     /// bytes; a full ring loses records, and the daemon then wakes every waiting
     /// connection instead.
     pub signal_ring_bytes: u32,
-    /// Splice connections whose client and pod are both on this host by rewriting their
-    /// packets' headers in a TC program on `lo` (see `rewrite.rs`); the others, and
-    /// those it refuses, take the SockHash.
-    pub rewrite_local: bool,
+    /// Splice connections by rewriting their packets' headers in a TC program on every
+    /// interface (see `rewrite.rs`); those it refuses take the SockHash.
+    pub rewrite_splice: bool,
     /// Tests only: the rewrite hand-over sleeps this long between reading the sockets'
     /// sequence numbers and inserting the entries, so that a test can land a packet in
     /// the waypoint's socket meanwhile.
@@ -149,7 +148,7 @@ impl Default for Config {
             max_sockets: waypoint_common::DEFAULT_MAX_SOCKETS,
             splice_after: DEFAULT_SPLICE_AFTER,
             signal_ring_bytes: waypoint_common::SIGNALS_BYTES,
-            rewrite_local: false,
+            rewrite_splice: false,
             rewrite_handover_pause: None,
         }
     }
@@ -194,8 +193,8 @@ pub enum Error {
     /// The flow records could not be set up.
     #[error(transparent)]
     Flows(#[from] flows::Error),
-    /// The rewrite program could not be attached to `lo`.
-    #[error("attaching the rewrite program to lo: {0}")]
+    /// The rewrite program could not be loaded or attached to an interface.
+    #[error("loading or attaching the rewrite program: {0}")]
     Rewrite(aya::programs::ProgramError),
     /// The thread that reads the verdict's signals could not be started.
     #[error(transparent)]
@@ -250,7 +249,7 @@ pub struct Ebpf {
     signals: Arc<Signals>,
     fallbacks: AtomicU64,
     handovers: AtomicU64,
-    /// The rewrite splice, with `rewrite_local`.
+    /// The rewrite splice, with `rewrite_splice`.
     rewrite: Option<Rewriter>,
     // Owns the program and its attachment to the SockHash.
     _loaded: Loaded,
@@ -355,7 +354,7 @@ impl Ebpf {
             .try_into()?;
         prog.load()?;
         prog.attach(peers.fd())?;
-        let rewrite = if config.rewrite_local {
+        let rewrite = if config.rewrite_splice {
             let map: HashMap<MapData, RewriteKey, Rewrite> = take(&mut loaded, REWRITES_MAP)?
                 .try_into()
                 .map_err(|e| map_error(REWRITES_MAP, e))?;
@@ -370,8 +369,16 @@ impl Ebpf {
                 .ok_or_else(|| map_error("program", "rewrite classifier missing from the object"))?
                 .try_into()?;
             prog.load().map_err(Error::Rewrite)?;
-            prog.attach("lo", TcAttachType::Ingress)
-                .map_err(Error::Rewrite)?;
+            // Every interface present now: the client's packets arrive on the uplink, the
+            // pod's on its veth or the bridge. One that appears later is not covered; a
+            // pod answering through it is caught by the hand-over's check (see
+            // `rewrite.rs`, step 3).
+            let interfaces = rewrite::interfaces()?;
+            for name in &interfaces {
+                prog.attach(name, TcAttachType::Ingress)
+                    .map_err(Error::Rewrite)?;
+            }
+            info!(?interfaces, "rewrite program attached");
             Some(Rewriter::new(map, rstats, config.rewrite_handover_pause))
         } else {
             None
@@ -384,7 +391,7 @@ impl Ebpf {
             max_sockets = config.max_sockets,
             splice_after = config.splice_after,
             repeat_check = offsets.is_some(),
-            rewrite_local = config.rewrite_local,
+            rewrite_splice = config.rewrite_splice,
             "eBPF dataplane attached"
         );
         Ok(Ebpf {
@@ -442,7 +449,7 @@ impl Ebpf {
     }
 
     /// The rewrite splice's counters and the program's statistics (in
-    /// [`RewriteStat::ALL`] order); None without `rewrite_local`.
+    /// [`RewriteStat::ALL`] order); None without `rewrite_splice`.
     pub fn rewrite_counts(&self) -> Option<(rewrite::Counts, Vec<(RewriteStat, u64)>)> {
         self.rewrite.as_ref().map(|r| (r.counts(), r.stats()))
     }

@@ -1,12 +1,12 @@
-//! Splicing a connection by rewriting packet headers (`--rewrite-local`): the TC program
-//! `waypoint_rewrite` on `lo` (see waypoint-ebpf) turns the client's packets to the
-//! waypoint's accepted socket A into packets of the waypoint's socket B to the pod, and
-//! back. Client and pod then hold one TCP conversation through one pass of the stack:
-//! no second connection carries the bytes, and no socket of the daemon's sees them.
+//! Splicing a connection by rewriting packet headers (`--rewrite-splice`): the TC program
+//! `waypoint_rewrite`, on the ingress of every interface of the node (see waypoint-ebpf),
+//! turns the client's packets to the waypoint's accepted socket A into packets of the
+//! waypoint's socket B to the pod, and back, and sends them on towards their new
+//! destination. Client and pod then hold one TCP conversation: no second connection
+//! carries the bytes, and no socket of the daemon's sees them.
 //!
-//! Only for connections whose client and pod are both on this host (every packet then
-//! goes through `lo`); any other connection, or one whose TCP options do not line up,
-//! takes the SockHash splice ([`Refused`]).
+//! IPv4 only; a connection whose two sides negotiated different TCP options, window
+//! scales or MSS takes the SockHash splice ([`Refused`]).
 //!
 //! **Hand-over**, right after the router read the ClientHello from A and dialed B:
 //! 1. A goes into repair mode (`TCP_REPAIR`), which lets the daemon read its sequence
@@ -20,15 +20,17 @@
 //!    landed. If one did (A's or B's `rcv_nxt` moved), its bytes would be lost between
 //!    the two conversations: the splice is undone and both ends are reset ("stranded").
 //!    A TLS client sends nothing between its ClientHello and the server's answer, so
-//!    this takes a client that does not wait.
+//!    this takes a client that does not wait, or a pod whose packets arrive through an
+//!    interface that appeared after the daemon started (no program there): its answer
+//!    lands in B, and the connection is reset instead of hanging.
 //! 4. A is closed silently (repair mode sends neither FIN nor RST). B stays open,
 //!    holding its 4-tuple, so that no other connection to the pod gets the same one.
 //!
 //! **End:** the program signals the connection (through the SockHash splice's ring) at
 //! a RST or at the second FIN. The entries stay [`LINGER`] longer for the last ACK and
 //! any retransmitted FIN, then go, and B is closed silently. A connection idle for the
-//! idle timeout, or past its lifetime, loses its entries at once; its ends learn of it
-//! at their next packet, which meets no socket and is answered with a reset.
+//! idle timeout, or past its lifetime, loses its entries at once, and both ends get a
+//! reset (from a raw socket, at the sequence number each expects next).
 
 use std::{
     io,
@@ -78,8 +80,8 @@ const MEMBARRIER_CMD_GLOBAL: libc::c_int = 1;
 /// Why a connection was not spliced this way (it takes the SockHash splice instead).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Refusal {
-    /// Not IPv4, or the client or the pod is not on this host.
-    NotLocal,
+    /// Not IPv4.
+    NotIpv4,
     /// The two connections negotiated different TCP options or window scales.
     Options,
     /// A kept receiving bytes while the daemon read them, or held unacknowledged bytes.
@@ -91,7 +93,7 @@ pub enum Refusal {
 impl Refusal {
     /// Every reason, for metrics.
     pub const ALL: [Refusal; 4] = [
-        Refusal::NotLocal,
+        Refusal::NotIpv4,
         Refusal::Options,
         Refusal::Busy,
         Refusal::Setup,
@@ -100,7 +102,7 @@ impl Refusal {
     /// A short label for logs.
     pub const fn as_str(self) -> &'static str {
         match self {
-            Refusal::NotLocal => "not_local",
+            Refusal::NotIpv4 => "not_ipv4",
             Refusal::Options => "options",
             Refusal::Busy => "busy",
             Refusal::Setup => "setup",
@@ -110,7 +112,7 @@ impl Refusal {
     /// The `result` label of `waypoint_rewrite_connections_total`.
     pub const fn metric_label(self) -> &'static str {
         match self {
-            Refusal::NotLocal => "refused_not_local",
+            Refusal::NotIpv4 => "refused_not_ipv4",
             Refusal::Options => "refused_options",
             Refusal::Busy => "refused_busy",
             Refusal::Setup => "refused_setup",
@@ -246,7 +248,7 @@ impl Rewriter {
     ) -> Result<Result<Outcome, io::Error>, Refused> {
         let start = Instant::now();
         let Some(addrs) = Addrs::of(&downstream, &upstream) else {
-            return Err(self.refuse(Refusal::NotLocal, downstream, upstream, initial));
+            return Err(self.refuse(Refusal::NotIpv4, downstream, upstream, initial));
         };
         let (a, b) = (downstream.as_raw_fd(), upstream.as_raw_fd());
         let (info_a, info_b) = match (tcp_info(a), tcp_info(b)) {
@@ -506,6 +508,18 @@ impl AsRawFd for Held {
     }
 }
 
+/// The names of the network interfaces of this namespace.
+pub(super) fn interfaces() -> io::Result<Vec<String>> {
+    let mut names = Vec::new();
+    for entry in std::fs::read_dir("/sys/class/net")? {
+        if let Some(name) = entry?.file_name().to_str() {
+            names.push(name.to_owned());
+        }
+    }
+    names.sort();
+    Ok(names)
+}
+
 /// The four addresses of a connection that can be spliced by rewriting.
 struct Addrs {
     client: SocketAddrV4,
@@ -520,17 +534,12 @@ impl Addrs {
             SocketAddr::V4(a) => Some(a),
             SocketAddr::V6(a) => Some(SocketAddrV4::new(a.ip().to_ipv4_mapped()?, a.port())),
         };
-        let addrs = Addrs {
+        Some(Addrs {
             client: v4(downstream.peer_addr())?,
             a_local: v4(downstream.local_addr())?,
             b_local: v4(upstream.local_addr())?,
             pod: v4(upstream.peer_addr())?,
-        };
-        // Both ends on this host: every packet goes through lo, where the program is.
-        let local = |peer: &SocketAddrV4, me: &SocketAddrV4| {
-            peer.ip().is_loopback() || peer.ip() == me.ip()
-        };
-        (local(&addrs.client, &addrs.a_local) && local(&addrs.pod, &addrs.b_local)).then_some(addrs)
+        })
     }
 }
 
