@@ -474,7 +474,7 @@ pub fn markdown(run: &Run, machine: &Value) -> String {
         }
         out.push('\n');
     }
-    out.push_str("\nThe goals are the waypoint's (ebpf, splice, copy); nginx and HAProxy are judged the same way for reference.\n");
+    out.push_str("\nThe goals are the waypoint's (ebpf, ebpf-rewrite, splice, copy); nginx and HAProxy are judged the same way for reference.\n");
 
     let errors: Vec<String> = run
         .results

@@ -164,6 +164,17 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// What the hand-over keeps of its first steps.
+struct Prepared {
+    addrs: Addrs,
+    entries: Entries,
+    slot: u32,
+    hello_end: u32,
+    /// A's and B's `rcv_nxt` when the sequence numbers were read.
+    a_rcv: u32,
+    b_rcv: u32,
+}
+
 /// One direction's key and value, and the other's.
 #[derive(Clone, Copy)]
 struct Entries {
@@ -247,86 +258,21 @@ impl Rewriter {
         limits: Limits,
     ) -> Result<Result<Outcome, io::Error>, Refused> {
         let start = Instant::now();
-        let Some(addrs) = Addrs::of(&downstream, &upstream) else {
-            return Err(self.refuse(Refusal::NotIpv4, downstream, upstream, initial));
+        // Synchronous, so that none of its working state stays in this future (and in
+        // every spliced connection's task) across the awaits below.
+        let p = match self.prepare(&downstream, &upstream, &mut initial) {
+            Ok(p) => p,
+            Err(reason) => return Err(self.refuse(reason, downstream, upstream, initial)),
         };
+        let Prepared {
+            addrs,
+            entries,
+            slot,
+            hello_end,
+            a_rcv,
+            b_rcv,
+        } = p;
         let (a, b) = (downstream.as_raw_fd(), upstream.as_raw_fd());
-        let (info_a, info_b) = match (tcp_info(a), tcp_info(b)) {
-            (Ok(x), Ok(y)) => (x, y),
-            _ => return Err(self.refuse(Refusal::Setup, downstream, upstream, initial)),
-        };
-        if !info_a.lines_up_with(&info_b) {
-            return Err(self.refuse(Refusal::Options, downstream, upstream, initial));
-        }
-        // Neither socket has sent a byte: a rewritten packet cannot acknowledge them.
-        if info_a.unacked != 0 || info_b.unacked != 0 {
-            return Err(self.refuse(Refusal::Busy, downstream, upstream, initial));
-        }
-        let seqs = match snapshot(&downstream, &upstream, &mut initial) {
-            Ok(Some(s)) => s,
-            Ok(None) => return Err(self.refuse(Refusal::Busy, downstream, upstream, initial)),
-            Err(e) => {
-                debug!(error = %e, "rewrite hand-over: socket options failed");
-                let _ = set_repair(a, TCP_REPAIR_OFF_NO_WP);
-                return Err(self.refuse(Refusal::Setup, downstream, upstream, initial));
-            }
-        };
-        let timestamps = info_a.options & TCPI_OPT_TIMESTAMPS != 0;
-        let (ts_a, ts_b) = if timestamps {
-            match (ts_clock(a), ts_clock(b)) {
-                (Ok(x), Ok(y)) => (x, y),
-                _ => {
-                    let _ = set_repair(a, TCP_REPAIR_OFF_NO_WP);
-                    return Err(self.refuse(Refusal::Setup, downstream, upstream, initial));
-                }
-            }
-        } else {
-            (0, 0)
-        };
-        if let Some(pause) = self.pause {
-            tokio::time::sleep(pause).await;
-        }
-        let slot = REWRITE_SLOT_BASE | (self.next_slot.fetch_add(1, Relaxed) & !REWRITE_SLOT_BASE);
-        let hello_end = seqs.b_snd.wrapping_add(initial.len() as u32);
-        let entries = Entries {
-            from_client: key(addrs.client, addrs.a_local),
-            from_pod: key(addrs.pod, addrs.b_local),
-        };
-        let from_client = Rewrite {
-            to: key(addrs.b_local, addrs.pod),
-            slot,
-            seq_add: hello_end.wrapping_sub(seqs.a_rcv),
-            ack_add: seqs.b_rcv.wrapping_sub(seqs.a_snd),
-            ts_off: ts_b,
-            next_seq: seqs.a_rcv,
-            ..Rewrite::default()
-        };
-        let from_pod = Rewrite {
-            to: key(addrs.a_local, addrs.client),
-            slot,
-            seq_add: seqs.a_snd.wrapping_sub(seqs.b_rcv),
-            ack_add: seqs.a_rcv.wrapping_sub(hello_end),
-            watch: hello_end,
-            ts_off: ts_a,
-            flags: REWRITE_WATCH,
-            next_seq: seqs.b_rcv,
-            ..Rewrite::default()
-        };
-        {
-            let mut map = lock(&self.map);
-            // The pod's direction first: the client's packets are rewritten from the
-            // moment its entry is in, and the pod may answer at once.
-            let inserted = map
-                .insert(entries.from_pod, from_pod, 0)
-                .and_then(|()| map.insert(entries.from_client, from_client, 0));
-            if let Err(e) = inserted {
-                let _ = map.remove(&entries.from_pod);
-                drop(map);
-                debug!(error = %e, "rewrite hand-over: map insert failed");
-                let _ = set_repair(a, TCP_REPAIR_OFF_NO_WP);
-                return Err(self.refuse(Refusal::Setup, downstream, upstream, initial));
-            }
-        }
         self.live.fetch_add(1, Relaxed);
         self.spliced.fetch_add(1, Relaxed);
         let mut upstream = upstream;
@@ -339,7 +285,7 @@ impl Rewriter {
         // entries were in is still on its way to A or B.
         self.grace.wait().await;
         let stranded = match (&sent, queue_seq(a, TCP_RECV_QUEUE), rcv_nxt(b)) {
-            (Ok(()), Ok(a_rcv), Ok(b_rcv)) => a_rcv != seqs.a_rcv || b_rcv != seqs.b_rcv,
+            (Ok(()), Ok(a_now), Ok(b_now)) => a_now != a_rcv || b_now != b_rcv,
             _ => true,
         };
         if stranded {
@@ -384,6 +330,98 @@ impl Rewriter {
             upstream_to_downstream: u2d,
             end,
         }))
+    }
+
+    /// Steps 1 and 2 of the hand-over: the checks, the sequence numbers, the entries.
+    /// On refusal A is out of repair mode again.
+    fn prepare(
+        &self,
+        downstream: &TcpStream,
+        upstream: &TcpStream,
+        initial: &mut Vec<u8>,
+    ) -> Result<Prepared, Refusal> {
+        let addrs = Addrs::of(downstream, upstream).ok_or(Refusal::NotIpv4)?;
+        let (a, b) = (downstream.as_raw_fd(), upstream.as_raw_fd());
+        let (Ok(info_a), Ok(info_b)) = (tcp_info(a), tcp_info(b)) else {
+            return Err(Refusal::Setup);
+        };
+        if !info_a.lines_up_with(&info_b) {
+            return Err(Refusal::Options);
+        }
+        // Neither socket has sent a byte: a rewritten packet cannot acknowledge them.
+        if info_a.unacked != 0 || info_b.unacked != 0 {
+            return Err(Refusal::Busy);
+        }
+        let seqs = match snapshot(downstream, upstream, initial) {
+            Ok(Some(s)) => s,
+            Ok(None) => return Err(Refusal::Busy),
+            Err(e) => {
+                debug!(error = %e, "rewrite hand-over: socket options failed");
+                let _ = set_repair(a, TCP_REPAIR_OFF_NO_WP);
+                return Err(Refusal::Setup);
+            }
+        };
+        let timestamps = info_a.options & TCPI_OPT_TIMESTAMPS != 0;
+        let (ts_a, ts_b) = if timestamps {
+            let (Ok(x), Ok(y)) = (ts_clock(a), ts_clock(b)) else {
+                let _ = set_repair(a, TCP_REPAIR_OFF_NO_WP);
+                return Err(Refusal::Setup);
+            };
+            (x, y)
+        } else {
+            (0, 0)
+        };
+        if let Some(pause) = self.pause {
+            // Tests only (a blocking sleep: the hand-over has no await before here).
+            std::thread::sleep(pause);
+        }
+        let slot = REWRITE_SLOT_BASE | (self.next_slot.fetch_add(1, Relaxed) & !REWRITE_SLOT_BASE);
+        let hello_end = seqs.b_snd.wrapping_add(initial.len() as u32);
+        let entries = Entries {
+            from_client: key(addrs.client, addrs.a_local),
+            from_pod: key(addrs.pod, addrs.b_local),
+        };
+        let from_client = Rewrite {
+            to: key(addrs.b_local, addrs.pod),
+            slot,
+            seq_add: hello_end.wrapping_sub(seqs.a_rcv),
+            ack_add: seqs.b_rcv.wrapping_sub(seqs.a_snd),
+            ts_off: ts_b,
+            next_seq: seqs.a_rcv,
+            ..Rewrite::default()
+        };
+        let from_pod = Rewrite {
+            to: key(addrs.a_local, addrs.client),
+            slot,
+            seq_add: seqs.a_snd.wrapping_sub(seqs.b_rcv),
+            ack_add: seqs.a_rcv.wrapping_sub(hello_end),
+            watch: hello_end,
+            ts_off: ts_a,
+            flags: REWRITE_WATCH,
+            next_seq: seqs.b_rcv,
+            ..Rewrite::default()
+        };
+        let mut map = lock(&self.map);
+        // The pod's direction first: the client's packets are rewritten from the moment
+        // its entry is in, and the pod may answer at once.
+        let inserted = map
+            .insert(entries.from_pod, from_pod, 0)
+            .and_then(|()| map.insert(entries.from_client, from_client, 0));
+        if let Err(e) = inserted {
+            let _ = map.remove(&entries.from_pod);
+            drop(map);
+            debug!(error = %e, "rewrite hand-over: map insert failed");
+            let _ = set_repair(a, TCP_REPAIR_OFF_NO_WP);
+            return Err(Refusal::Setup);
+        }
+        Ok(Prepared {
+            addrs,
+            entries,
+            slot,
+            hello_end,
+            a_rcv: seqs.a_rcv,
+            b_rcv: seqs.b_rcv,
+        })
     }
 
     fn get(&self, key: &RewriteKey) -> Option<Rewrite> {
