@@ -357,7 +357,7 @@ async fn stranded_bytes_reset_both_ends() {
         ebpf::Ebpf::load(ebpf::Config {
             splice_after: 0,
             rewrite_splice: true,
-            rewrite_handover_pause: Some(Duration::from_millis(300)),
+            rewrite_handover_pause: Some(Duration::from_secs(2)),
             ..ebpf::Config::default()
         })
         .unwrap(),
@@ -366,12 +366,20 @@ async fn stranded_bytes_reset_both_ends() {
     let back = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let mut proxy = common::proxy(dp, back.local_addr().unwrap(), HELLO, Limits::default()).await;
     let addr = proxy.addr;
+    let held = e.clone();
     let c = tokio::spawn(async move {
         let mut c = TcpStream::connect(addr).await.unwrap();
         let hello: Vec<u8> = (0..HELLO).map(|i| i as u8).collect();
         c.write_all(&hello).await.unwrap();
-        // The proxy has read the hello and is held in the hand-over.
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // Once the hand-over has read the sequence numbers, it is held for 2 s before it
+        // inserts the entries: what the client sends now lands in the waypoint's socket.
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while held.rewrite_counts().unwrap().0.pending == 0 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await
+        .expect("the hand-over starts");
         c.write_all(b"too early").await.unwrap();
         read_until_error(&mut c).await
     });
@@ -388,7 +396,10 @@ async fn stranded_bytes_reset_both_ends() {
     let outcome = common::next_outcome(&mut proxy, Duration::from_secs(10)).await;
     assert_eq!(outcome.end, End::Error(std::io::ErrorKind::InvalidData));
     let (counts, _) = e.rewrite_counts().unwrap();
-    assert_eq!((counts.spliced, counts.stranded, counts.live), (1, 1, 0));
+    assert_eq!(
+        (counts.spliced, counts.stranded, counts.live, counts.pending),
+        (1, 1, 0, 0)
+    );
     assert_eq!(e.rewrite_entries(), 0);
 }
 

@@ -143,6 +143,8 @@ pub struct Counts {
     pub stranded: u64,
     /// Spliced connections now live (entries in the map).
     pub live: u64,
+    /// Hand-overs under way: from reading the sequence numbers to the grace check.
+    pub pending: u64,
 }
 
 /// The rewrite splice: the program's map and statistics, attached by [`super::ebpf`].
@@ -155,6 +157,7 @@ pub(super) struct Rewriter {
     refused: [AtomicU64; 4],
     stranded: AtomicU64,
     live: AtomicU64,
+    pending: AtomicU64,
     /// See `ebpf::Config::rewrite_handover_pause`.
     pause: Option<Duration>,
 }
@@ -197,6 +200,7 @@ impl Rewriter {
             refused: Default::default(),
             stranded: AtomicU64::new(0),
             live: AtomicU64::new(0),
+            pending: AtomicU64::new(0),
             pause,
         }
     }
@@ -208,6 +212,7 @@ impl Rewriter {
             refused: std::array::from_fn(|i| self.refused[i].load(Relaxed)),
             stranded: self.stranded.load(Relaxed),
             live: self.live.load(Relaxed),
+            pending: self.pending.load(Relaxed),
         }
     }
 
@@ -288,6 +293,7 @@ impl Rewriter {
             (Ok(()), Ok(a_now), Ok(b_now)) => a_now != a_rcv || b_now != b_rcv,
             _ => true,
         };
+        self.pending.fetch_sub(1, Relaxed);
         if stranded {
             self.stranded.fetch_add(1, Relaxed);
             warn!(
@@ -353,7 +359,10 @@ impl Rewriter {
             return Err(Refusal::Busy);
         }
         let seqs = match snapshot(downstream, upstream, initial) {
-            Ok(Some(s)) => s,
+            Ok(Some(s)) => {
+                self.pending.fetch_add(1, Relaxed);
+                s
+            }
             Ok(None) => return Err(Refusal::Busy),
             Err(e) => {
                 debug!(error = %e, "rewrite hand-over: socket options failed");
@@ -365,6 +374,7 @@ impl Rewriter {
         let (ts_a, ts_b) = if timestamps {
             let (Ok(x), Ok(y)) = (ts_clock(a), ts_clock(b)) else {
                 let _ = set_repair(a, TCP_REPAIR_OFF_NO_WP);
+                self.pending.fetch_sub(1, Relaxed);
                 return Err(Refusal::Setup);
             };
             (x, y)
@@ -412,6 +422,7 @@ impl Rewriter {
             drop(map);
             debug!(error = %e, "rewrite hand-over: map insert failed");
             let _ = set_repair(a, TCP_REPAIR_OFF_NO_WP);
+            self.pending.fetch_sub(1, Relaxed);
             return Err(Refusal::Setup);
         }
         Ok(Prepared {
