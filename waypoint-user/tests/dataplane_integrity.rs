@@ -3,8 +3,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 mod common;
 
-use rand::RngCore as _;
-use sha2::{Digest as _, Sha256};
 use tokio::{
     io::{AsyncReadExt as _, AsyncWriteExt as _},
     net::{TcpListener, TcpStream},
@@ -13,39 +11,6 @@ use waypoint::dataplane::{End, Kind, Limits};
 
 const TOTAL: u64 = 256 * 1024 * 1024;
 const HELLO: usize = 517;
-
-/// Writes `total` pseudo-random bytes generated from `seed` and returns their SHA-256.
-async fn send_random(mut w: impl tokio::io::AsyncWrite + Unpin, total: u64, seed: u64) -> [u8; 32] {
-    use rand::SeedableRng as _;
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let mut h = Sha256::new();
-    let mut buf = vec![0u8; 256 * 1024];
-    let mut left = total;
-    while left > 0 {
-        let n = left.min(buf.len() as u64) as usize;
-        rng.fill_bytes(&mut buf[..n]);
-        h.update(&buf[..n]);
-        w.write_all(&buf[..n]).await.unwrap();
-        left -= n as u64;
-    }
-    w.shutdown().await.unwrap();
-    h.finalize().into()
-}
-
-/// Reads to EOF and returns (bytes, SHA-256).
-async fn recv_all(mut r: impl tokio::io::AsyncRead + Unpin) -> (u64, [u8; 32]) {
-    let mut h = Sha256::new();
-    let mut buf = vec![0u8; 256 * 1024];
-    let mut total = 0u64;
-    loop {
-        let n = r.read(&mut buf).await.unwrap();
-        if n == 0 {
-            return (total, h.finalize().into());
-        }
-        total += n as u64;
-        h.update(&buf[..n]);
-    }
-}
 
 /// The server's one-byte answer to the hello.
 const ANSWER: u8 = 0xa5;
@@ -86,7 +51,7 @@ async fn bulk_both_ways(kind: Kind) {
         c.read_exact(&mut answer).await.unwrap();
         assert_eq!(answer, [ANSWER]);
         let (r, w) = c.into_split();
-        let (sent, got) = tokio::join!(send_random(w, TOTAL, 1), recv_all(r));
+        let (sent, got) = tokio::join!(common::send_random(w, TOTAL, 1), common::recv_all(r));
         (sent, got, proxy.outcomes.recv().await.unwrap())
     });
     let before = ebpf_counts(kind);
@@ -100,7 +65,7 @@ async fn bulk_both_ways(kind: Kind) {
         "initial bytes arrive first and intact"
     );
     w.write_all(&[ANSWER]).await.unwrap();
-    let (sent_back, got) = tokio::join!(send_random(w, TOTAL, 2), recv_all(r));
+    let (sent_back, got) = tokio::join!(common::send_random(w, TOTAL, 2), common::recv_all(r));
     let (client_sent, client_got, outcome) = client.await.unwrap();
 
     if let waypoint::dataplane::Dataplane::Ebpf(e) = &*common::dataplane(kind) {

@@ -7,8 +7,6 @@ mod common;
 
 use std::{sync::Arc, time::Duration};
 
-use rand::RngCore as _;
-use sha2::{Digest as _, Sha256};
 use tokio::{
     io::{AsyncReadExt as _, AsyncWriteExt as _},
     net::{TcpListener, TcpStream},
@@ -61,37 +59,6 @@ async fn server(listener: &TcpListener) -> TcpStream {
     s
 }
 
-async fn send_random(mut w: impl tokio::io::AsyncWrite + Unpin, total: u64, seed: u64) -> [u8; 32] {
-    use rand::SeedableRng as _;
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let mut h = Sha256::new();
-    let mut buf = vec![0u8; 256 * 1024];
-    let mut left = total;
-    while left > 0 {
-        let n = left.min(buf.len() as u64) as usize;
-        rng.fill_bytes(&mut buf[..n]);
-        h.update(&buf[..n]);
-        w.write_all(&buf[..n]).await.unwrap();
-        left -= n as u64;
-    }
-    w.shutdown().await.unwrap();
-    h.finalize().into()
-}
-
-async fn recv_all(mut r: impl tokio::io::AsyncRead + Unpin) -> (u64, [u8; 32]) {
-    let mut h = Sha256::new();
-    let mut buf = vec![0u8; 256 * 1024];
-    let mut total = 0u64;
-    loop {
-        let n = r.read(&mut buf).await.unwrap();
-        if n == 0 {
-            return (total, h.finalize().into());
-        }
-        total += n as u64;
-        h.update(&buf[..n]);
-    }
-}
-
 /// 256 MiB each way at once, SHA-256 compared, through rewritten packets only: the
 /// connection is counted as spliced by rewriting, the program rewrote its packets, and
 /// its entries are gone once it ended.
@@ -105,11 +72,11 @@ async fn bulk_256mib_each_way_intact() {
     let c = tokio::spawn(async move {
         let c = client(addr).await;
         let (r, w) = c.into_split();
-        tokio::join!(send_random(w, TOTAL, 1), recv_all(r))
+        tokio::join!(common::send_random(w, TOTAL, 1), common::recv_all(r))
     });
     let s = server(&back).await;
     let (r, w) = s.into_split();
-    let (sent_back, got) = tokio::join!(send_random(w, TOTAL, 2), recv_all(r));
+    let (sent_back, got) = tokio::join!(common::send_random(w, TOTAL, 2), common::recv_all(r));
     let (client_sent, client_got) = c.await.unwrap();
     assert_eq!(got, (TOTAL, client_sent), "client → pod intact");
     assert_eq!(client_got, (TOTAL, sent_back), "pod → client intact");

@@ -247,3 +247,44 @@ pub async fn wait_tcp_state(
         tokio::time::sleep(std::time::Duration::from_millis(1)).await;
     }
 }
+
+/// Writes `total` pseudo-random bytes generated from `seed` and returns their SHA-256.
+pub async fn send_random(
+    mut w: impl tokio::io::AsyncWrite + Unpin,
+    total: u64,
+    seed: u64,
+) -> [u8; 32] {
+    use rand::{RngCore as _, SeedableRng as _};
+    use sha2::Digest as _;
+    use tokio::io::AsyncWriteExt as _;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut h = sha2::Sha256::new();
+    let mut buf = vec![0u8; 256 * 1024];
+    let mut left = total;
+    while left > 0 {
+        let n = left.min(buf.len() as u64) as usize;
+        rng.fill_bytes(&mut buf[..n]);
+        h.update(&buf[..n]);
+        w.write_all(&buf[..n]).await.unwrap();
+        left -= n as u64;
+    }
+    w.shutdown().await.unwrap();
+    h.finalize().into()
+}
+
+/// Reads to EOF and returns (bytes, SHA-256).
+pub async fn recv_all(mut r: impl tokio::io::AsyncRead + Unpin) -> (u64, [u8; 32]) {
+    use sha2::Digest as _;
+    use tokio::io::AsyncReadExt as _;
+    let mut h = sha2::Sha256::new();
+    let mut buf = vec![0u8; 256 * 1024];
+    let mut total = 0u64;
+    loop {
+        let n = r.read(&mut buf).await.unwrap();
+        if n == 0 {
+            return (total, h.finalize().into());
+        }
+        total += n as u64;
+        h.update(&buf[..n]);
+    }
+}
