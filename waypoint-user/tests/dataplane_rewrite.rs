@@ -313,6 +313,23 @@ async fn read_until_error(s: &mut TcpStream) -> Option<std::io::ErrorKind> {
     }
 }
 
+/// Both ends learn of the connection's end by a reset, within 10 s: the pod's stream
+/// `pod`, and the client task `client` (which reads until an error).
+async fn both_reset(
+    pod: &mut TcpStream,
+    client: tokio::task::JoinHandle<Option<std::io::ErrorKind>>,
+) {
+    let pod = tokio::time::timeout(Duration::from_secs(10), read_until_error(pod))
+        .await
+        .expect("the pod learns of the end");
+    let client = tokio::time::timeout(Duration::from_secs(10), client)
+        .await
+        .expect("the client learns of the end")
+        .unwrap();
+    assert_eq!(client, Some(std::io::ErrorKind::ConnectionReset), "client");
+    assert_eq!(pod, Some(std::io::ErrorKind::ConnectionReset), "pod");
+}
+
 /// A packet that lands in the waypoint's accepted socket during the hand-over (here: the
 /// client sends while the hand-over is held between reading the sequence numbers and
 /// inserting the entries) would leave its bytes behind: the hand-over notices and
@@ -351,15 +368,7 @@ async fn stranded_bytes_reset_both_ends() {
         read_until_error(&mut c).await
     });
     let mut s = server(&back).await;
-    let pod = tokio::time::timeout(Duration::from_secs(10), read_until_error(&mut s))
-        .await
-        .expect("the pod learns of the end");
-    let client = tokio::time::timeout(Duration::from_secs(10), c)
-        .await
-        .expect("the client learns of the end")
-        .unwrap();
-    assert_eq!(client, Some(std::io::ErrorKind::ConnectionReset), "client");
-    assert_eq!(pod, Some(std::io::ErrorKind::ConnectionReset), "pod");
+    both_reset(&mut s, c).await;
     let outcome = common::next_outcome(&mut proxy, Duration::from_secs(10)).await;
     assert_eq!(outcome.end, End::Error(std::io::ErrorKind::InvalidData));
     let (counts, _) = e.rewrite_counts().unwrap();
@@ -393,15 +402,7 @@ async fn idle_timeout_resets_both_ends() {
     let mut ping = [0u8; 4];
     s.read_exact(&mut ping).await.unwrap();
     s.write_all(b"pong").await.unwrap();
-    let pod = tokio::time::timeout(Duration::from_secs(10), read_until_error(&mut s))
-        .await
-        .expect("the pod learns of the end");
-    let client = tokio::time::timeout(Duration::from_secs(10), c)
-        .await
-        .expect("the client learns of the end")
-        .unwrap();
-    assert_eq!(client, Some(std::io::ErrorKind::ConnectionReset), "client");
-    assert_eq!(pod, Some(std::io::ErrorKind::ConnectionReset), "pod");
+    both_reset(&mut s, c).await;
     let outcome = common::next_outcome(&mut proxy, Duration::from_secs(10)).await;
     assert_eq!(outcome.end, End::IdleTimeout);
     assert_eq!(outcome.downstream_to_upstream, HELLO as u64 + 4);

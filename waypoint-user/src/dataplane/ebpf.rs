@@ -255,6 +255,11 @@ pub struct Ebpf {
     _loaded: Loaded,
 }
 
+/// Entry `index` of a per-CPU statistics array, summed over CPUs (0 if unreadable).
+pub(super) fn per_cpu_total(stats: &PerCpuArray<MapData, u64>, index: u32) -> u64 {
+    stats.get(&index, 0).map(|v| v.iter().sum()).unwrap_or(0)
+}
+
 /// aya's map errors keep the errno in their source; show it.
 fn map_error_chain(e: &aya::maps::MapError) -> String {
     use std::error::Error as _;
@@ -431,14 +436,7 @@ impl Ebpf {
     pub fn stats(&self) -> Vec<(Stat, u64)> {
         Stat::ALL
             .iter()
-            .map(|&s| {
-                let total = self
-                    .stats
-                    .get(&(s as u32), 0)
-                    .map(|v| v.iter().sum())
-                    .unwrap_or(0);
-                (s, total)
-            })
+            .map(|&s| (s, per_cpu_total(&self.stats, s as u32)))
             .collect()
     }
 

@@ -50,6 +50,7 @@ use waypoint_common::{
     Rewrite, RewriteKey, RewriteStat, REWRITE_FIN, REWRITE_RST, REWRITE_SLOT_BASE, REWRITE_WATCH,
 };
 
+use super::ebpf::per_cpu_total;
 use super::signals::Signals;
 use super::{End, Limits, Outcome};
 
@@ -220,14 +221,7 @@ impl Rewriter {
     pub fn stats(&self) -> Vec<(RewriteStat, u64)> {
         RewriteStat::ALL
             .iter()
-            .map(|&s| {
-                let total = self
-                    .stats
-                    .get(&(s as u32), 0)
-                    .map(|v| v.iter().sum())
-                    .unwrap_or(0);
-                (s, total)
-            })
+            .map(|&s| (s, per_cpu_total(&self.stats, s as u32)))
             .collect()
     }
 
