@@ -185,8 +185,10 @@ pub const REWRITE_PROG: &str = "waypoint_rewrite";
 pub const REWRITES_MAP: &str = "REWRITES";
 /// Name of the per-CPU array of the rewrite program's statistics, by [`RewriteStat`].
 pub const REWRITE_STATS_MAP: &str = "REWRITE_STATS";
-/// Default capacity of [`REWRITES_MAP`]: two entries per spliced connection.
-pub const DEFAULT_MAX_REWRITES: u32 = 65_536;
+/// Default capacity of [`REWRITES_MAP`] (two entries per spliced connection); the
+/// daemon sets it to its socket maps' capacity at load time. Entries are allocated as
+/// they are inserted.
+pub const DEFAULT_MAX_REWRITES: u32 = DEFAULT_MAX_SOCKETS;
 /// Signal slots at and above this value name rewritten connections, below it flow
 /// slots of the SockHash splice (both share [`SIGNALS_MAP`]).
 pub const REWRITE_SLOT_BASE: u32 = 0x8000_0000;

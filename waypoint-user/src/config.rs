@@ -246,7 +246,8 @@ pub struct Config {
     #[arg(long, env = "WAYPOINT_BULK_SEND_BUFFER", value_parser = parse_socket_buffer, default_value = "16MiB")]
     pub bulk_send_buffer: u64,
 
-    /// eBPF dataplane: capacity of the per-socket maps (two entries per connection).
+    /// eBPF dataplane: capacity of the per-socket maps and of the rewrite map (two
+    /// entries per connection).
     /// The flow records take 72 bytes per entry, allocated up front and mapped into the
     /// daemon, where they count in its RSS (18 MiB at the default). At least 2.
     #[arg(long, env = "WAYPOINT_MAX_SOCKETS", value_parser = clap::value_parser!(u32).range(2..), default_value_t = waypoint_common::DEFAULT_MAX_SOCKETS)]

@@ -409,3 +409,165 @@ async fn idle_timeout_resets_both_ends() {
     assert_eq!(outcome.upstream_to_downstream, 1 + 4);
     assert_eq!(e.rewrite_entries(), 0);
 }
+
+/// A spliced connection that carries a message every 50 ms is ended at its lifetime:
+/// both ends get a reset, the entries go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lifetime_ends_a_busy_connection() {
+    let (dp, e) = load();
+    let back = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let limits = Limits {
+        max_lifetime: Some(Duration::from_secs(1)),
+        ..Limits::default()
+    };
+    let mut proxy = common::proxy(dp, back.local_addr().unwrap(), HELLO, limits).await;
+    let addr = proxy.addr;
+    let c = tokio::spawn(async move {
+        let mut c = client(addr).await;
+        // Bounded: 200 pings would take 10 s, five times the lifetime. A socket reports
+        // a reset once: the first error is the answer.
+        for _ in 0..200 {
+            if let Err(e) = c.write_all(b"ping").await {
+                return Some(e.kind());
+            }
+            let mut pong = [0u8; 4];
+            if let Err(e) = c.read_exact(&mut pong).await {
+                return Some(e.kind());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        read_until_error(&mut c).await
+    });
+    let mut s = server(&back).await;
+    let pod = tokio::spawn(async move {
+        let mut ping = [0u8; 4];
+        loop {
+            if let Err(e) = s.read_exact(&mut ping).await {
+                return Some(e.kind());
+            }
+            if let Err(e) = s.write_all(b"pong").await {
+                return Some(e.kind());
+            }
+        }
+    });
+    let started = std::time::Instant::now();
+    let outcome = common::next_outcome(&mut proxy, Duration::from_secs(10)).await;
+    assert_eq!(outcome.end, End::LifetimeExceeded);
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(
+        outcome.downstream_to_upstream > HELLO as u64 + 4 * 5,
+        "the connection was busy: {outcome:?}"
+    );
+    let client = tokio::time::timeout(Duration::from_secs(10), c)
+        .await
+        .expect("the client learns of the end")
+        .unwrap();
+    assert_eq!(client, Some(std::io::ErrorKind::ConnectionReset), "client");
+    let pod = tokio::time::timeout(Duration::from_secs(10), pod)
+        .await
+        .expect("the pod learns of the end")
+        .unwrap();
+    assert_eq!(pod, Some(std::io::ErrorKind::ConnectionReset), "pod");
+    assert_eq!(e.rewrite_entries(), 0);
+    assert_eq!(e.rewrite_counts().unwrap().0.live, 0);
+}
+
+/// A spliced connection whose forwarding is dropped (as at the drain deadline) is ended,
+/// not left half-spliced: both ends get a reset, the entries go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_a_spliced_connection_resets_both_ends() {
+    let (dp, e) = load();
+    let back = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let front = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = front.local_addr().unwrap();
+    let c = tokio::spawn(async move {
+        let mut c = client(addr).await;
+        c.write_all(b"ping").await.unwrap();
+        let mut pong = [0u8; 4];
+        c.read_exact(&mut pong).await.unwrap();
+        assert_eq!(&pong, b"pong");
+        read_until_error(&mut c).await
+    });
+    let (mut down, _) = front.accept().await.unwrap();
+    let mut initial = vec![0u8; HELLO];
+    down.read_exact(&mut initial).await.unwrap();
+    let up = TcpStream::connect(back.local_addr().unwrap())
+        .await
+        .unwrap();
+    let forwarding = tokio::spawn(dp.forward(down, up, initial, Limits::default()));
+    let mut s = server(&back).await;
+    let mut ping = [0u8; 4];
+    s.read_exact(&mut ping).await.unwrap();
+    s.write_all(b"pong").await.unwrap();
+    // Spliced, and past the hand-over.
+    tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let (counts, _) = e.rewrite_counts().unwrap();
+            if counts.spliced == 1 && counts.pending == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the hand-over ends");
+    assert_eq!(e.rewrite_entries(), 2);
+    forwarding.abort();
+    assert!(forwarding.await.unwrap_err().is_cancelled());
+    both_reset(&mut s, c).await;
+    assert_eq!(e.rewrite_entries(), 0);
+    assert_eq!(e.rewrite_counts().unwrap().0.live, 0);
+}
+
+/// With the rewrite map full (room for one connection), the next connection is refused
+/// and goes through the SockHash path intact; the refusal is counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_map_refuses_to_the_sockhash_path() {
+    common::require_root();
+    let e = Arc::new(
+        ebpf::Ebpf::load(ebpf::Config {
+            splice_after: 0,
+            rewrite_splice: true,
+            max_sockets: 2,
+            ..ebpf::Config::default()
+        })
+        .unwrap(),
+    );
+    let dp = Arc::new(Dataplane::Ebpf(e.clone()));
+    let back = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut proxy = common::proxy(dp, back.local_addr().unwrap(), HELLO, Limits::default()).await;
+    let addr = proxy.addr;
+    let mut conns = Vec::new();
+    for _ in 0..2 {
+        let c = tokio::spawn(client(addr));
+        let s = server(&back).await;
+        conns.push((c.await.unwrap(), s));
+    }
+    let (counts, _) = e.rewrite_counts().unwrap();
+    assert_eq!(counts.spliced, 1, "{counts:?}");
+    assert_eq!(
+        counts.refused,
+        [0, 0, 0, 1],
+        "refused for lack of room (setup)"
+    );
+    for (i, (c, s)) in conns.iter_mut().enumerate() {
+        let mut msg = vec![0u8; 100_000];
+        common::pattern_fill(i as u64, 0, &mut msg);
+        c.write_all(&msg).await.unwrap();
+        let mut got = vec![0u8; msg.len()];
+        s.read_exact(&mut got).await.unwrap();
+        assert_eq!(got, msg, "connection {i}, client to pod");
+        s.write_all(&msg).await.unwrap();
+        c.read_exact(&mut got).await.unwrap();
+        assert_eq!(got, msg, "connection {i}, pod to client");
+    }
+    for (c, s) in conns {
+        drop(c);
+        drop(s);
+    }
+    for _ in 0..2 {
+        let o = common::next_outcome(&mut proxy, Duration::from_secs(30)).await;
+        assert_eq!(o.downstream_to_upstream, HELLO as u64 + 100_000, "{o:?}");
+    }
+    assert_eq!(e.rewrite_entries(), 0);
+}

@@ -24,11 +24,12 @@ use std::{
     io::{self, Write as _},
     net::TcpStream as StdTcpStream,
     os::fd::{AsFd, AsRawFd},
-    pin::pin,
+    pin::{pin, Pin},
     sync::{
         atomic::{AtomicU64, Ordering::Relaxed},
         Arc, Mutex, MutexGuard,
     },
+    task::{ready, Context, Poll},
     time::{Duration, Instant},
 };
 
@@ -118,7 +119,7 @@ pub struct Config {
     /// trips the in-flight budget and the destination drains fast enough to need it; 0
     /// leaves every buffer to autotuning. See [`DEFAULT_BULK_SEND_BUFFER`].
     pub bulk_send_buffer: usize,
-    /// Capacity of the per-socket maps: two entries per connection.
+    /// Capacity of the per-socket maps and of the rewrite map: two entries per connection.
     pub max_sockets: u32,
     /// A connection is copied in userspace until both directions together have carried
     /// this many bytes, and only then moved into the SockHash: a psock costs more than a
@@ -250,9 +251,51 @@ pub struct Ebpf {
     fallbacks: AtomicU64,
     handovers: AtomicU64,
     /// The rewrite splice, with `rewrite_splice`.
-    rewrite: Option<Rewriter>,
+    rewrite: Option<Arc<Rewriter>>,
     // Owns the program and its attachment to the SockHash.
     _loaded: Loaded,
+}
+
+type SockmapForward = Pin<Box<dyn Future<Output = Result<Outcome, Error>> + Send>>;
+
+/// What the rewrite hand-over led to.
+enum HandOver {
+    Spliced(rewrite::Spliced),
+    /// Refused: the SockHash splice takes it.
+    Sockmap(SockmapForward),
+    /// Ended at the hand-over.
+    Ended(Outcome),
+}
+
+pin_project_lite::pin_project! {
+    /// [`Ebpf::forward`] with the rewrite splice. Hand-written, so that a spliced
+    /// connection's task holds only [`rewrite::Spliced`] (inline): the hand-over, and the
+    /// SockHash path of a refused connection, are boxed and the box is freed once done.
+    #[project = RewritingProj]
+    enum Rewriting {
+        HandOver { fut: Pin<Box<dyn Future<Output = HandOver> + Send>> },
+        Spliced { #[pin] spliced: rewrite::Spliced },
+        Sockmap { fut: SockmapForward },
+    }
+}
+
+impl Future for Rewriting {
+    type Output = Result<Outcome, Error>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        loop {
+            let next = match self.as_mut().project() {
+                RewritingProj::HandOver { fut } => ready!(fut.as_mut().poll(cx)),
+                RewritingProj::Spliced { spliced } => return spliced.poll(cx).map(Ok),
+                RewritingProj::Sockmap { fut } => return fut.as_mut().poll(cx),
+            };
+            match next {
+                HandOver::Spliced(spliced) => self.set(Rewriting::Spliced { spliced }),
+                HandOver::Sockmap(fut) => self.set(Rewriting::Sockmap { fut }),
+                HandOver::Ended(outcome) => return Poll::Ready(Ok(outcome)),
+            }
+        }
+    }
 }
 
 /// Entry `index` of a per-CPU statistics array, summed over CPUs (0 if unreadable).
@@ -317,6 +360,9 @@ impl Ebpf {
             .map_max_entries(PEERS_MAP, config.max_sockets)
             .map_max_entries(SLOTS_MAP, config.max_sockets)
             .map_max_entries(FLOWS_MAP, config.max_sockets)
+            // Two entries per connection spliced by rewriting, as two sockets per
+            // connection in the SockHash.
+            .map_max_entries(REWRITES_MAP, config.max_sockets)
             .map_max_entries(SIGNALS_MAP, config.signal_ring_bytes)
             .override_global(SKB_SEQ_OFFSET, &o.skb_seq, true)
             .override_global(SKB_SK_OFFSET, &o.skb_sk, true)
@@ -384,11 +430,19 @@ impl Ebpf {
                     .map_err(Error::Rewrite)?;
             }
             info!(?interfaces, "rewrite program attached");
-            Some(Rewriter::new(map, rstats, config.rewrite_handover_pause))
+            Some((map, rstats))
         } else {
             None
         };
         let signals = Signals::start(ring, signal_stats)?;
+        let rewrite = rewrite.map(|(map, rstats)| {
+            Arc::new(Rewriter::new(
+                map,
+                rstats,
+                signals.clone(),
+                config.rewrite_handover_pause,
+            ))
+        });
         info!(
             max_inflight = config.max_inflight,
             socket_buffer = ?config.socket_buffer,
@@ -454,7 +508,7 @@ impl Ebpf {
 
     /// Entries in the rewrite map (walks it: tests and diagnostics); 0 without it.
     pub fn rewrite_entries(&self) -> usize {
-        self.rewrite.as_ref().map_or(0, Rewriter::entries)
+        self.rewrite.as_deref().map_or(0, Rewriter::entries)
     }
 
     /// See [`super::Dataplane::forward`]: the rewrite splice for a connection it can
@@ -470,33 +524,31 @@ impl Ebpf {
             return Either::Left(self.forward_sockmap(downstream, upstream, initial, limits));
         }
         let dp = Arc::clone(self);
-        Either::Right(Box::pin(async move {
-            let Some(rewriter) = dp.rewrite.as_ref() else {
-                return dp
-                    .forward_sockmap(downstream, upstream, initial, limits)
-                    .await;
-            };
-            match rewriter
-                .forward(&dp.signals, downstream, upstream, initial, limits)
-                .await
-            {
-                Ok(Ok(outcome)) => Ok(outcome),
-                Ok(Err(e)) => Ok(Outcome {
-                    downstream_to_upstream: 0,
-                    upstream_to_downstream: 0,
-                    end: End::Error(e.kind()),
-                }),
-                Err(refused) => {
-                    dp.forward_sockmap(
+        Either::Right(Rewriting::HandOver {
+            fut: Box::pin(async move {
+                let Some(rewriter) = dp.rewrite.clone() else {
+                    return HandOver::Sockmap(Box::pin(
+                        dp.forward_sockmap(downstream, upstream, initial, limits),
+                    ));
+                };
+                match rewriter.hand_over(downstream, upstream, initial).await {
+                    Ok(Ok(handed)) => {
+                        HandOver::Spliced(rewrite::Spliced::new(rewriter, handed, limits))
+                    }
+                    Ok(Err(e)) => HandOver::Ended(Outcome {
+                        downstream_to_upstream: 0,
+                        upstream_to_downstream: 0,
+                        end: End::Error(e.kind()),
+                    }),
+                    Err(refused) => HandOver::Sockmap(Box::pin(dp.forward_sockmap(
                         refused.downstream,
                         refused.upstream,
                         refused.initial,
                         limits,
-                    )
-                    .await
+                    ))),
                 }
-            }
-        }))
+            }),
+        })
     }
 
     /// The SockHash splice (after the copy, see [`Config::splice_after`]).

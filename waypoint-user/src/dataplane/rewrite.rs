@@ -33,13 +33,16 @@
 //! reset (from a raw socket, at the sequence number each expects next).
 
 use std::{
+    future::Future,
     io,
     net::{SocketAddr, SocketAddrV4},
-    os::fd::{AsFd as _, AsRawFd, OwnedFd, RawFd},
+    os::fd::{AsRawFd, OwnedFd, RawFd},
+    pin::Pin,
     sync::{
         atomic::{AtomicU32, AtomicU64, Ordering::Relaxed},
         Arc, Condvar, Mutex, MutexGuard,
     },
+    task::{ready, Context, Poll},
     time::{Duration, Instant},
 };
 
@@ -151,6 +154,9 @@ pub struct Counts {
 /// The rewrite splice: the program's map and statistics, attached by [`super::ebpf`].
 pub(super) struct Rewriter {
     map: Mutex<HashMap<MapData, RewriteKey, Rewrite>>,
+    /// The SockHash splice's signals, which the program shares (slots from
+    /// [`REWRITE_SLOT_BASE`]).
+    signals: Arc<Signals>,
     stats: PerCpuArray<MapData, u64>,
     grace: Arc<Grace>,
     next_slot: AtomicU32,
@@ -190,10 +196,12 @@ impl Rewriter {
     pub fn new(
         map: HashMap<MapData, RewriteKey, Rewrite>,
         stats: PerCpuArray<MapData, u64>,
+        signals: Arc<Signals>,
         pause: Option<Duration>,
     ) -> Self {
         Rewriter {
             map: Mutex::new(map),
+            signals,
             stats,
             grace: Grace::start(),
             next_slot: AtomicU32::new(0),
@@ -247,18 +255,17 @@ impl Rewriter {
         }
     }
 
-    /// Splices the connection and waits for its end, or hands it back.
-    pub async fn forward(
+    /// Steps 1 to 4 of the hand-over: the connection spliced (to be followed by
+    /// [`Spliced`]), ended at the hand-over, or handed back untouched.
+    pub async fn hand_over(
         &self,
-        signals: &Signals,
         downstream: TcpStream,
         upstream: TcpStream,
         mut initial: Vec<u8>,
-        limits: Limits,
-    ) -> Result<Result<Outcome, io::Error>, Refused> {
+    ) -> Result<Result<Handed, io::Error>, Refused> {
         let start = Instant::now();
-        // Synchronous, so that none of its working state stays in this future (and in
-        // every spliced connection's task) across the awaits below.
+        // Synchronous, so that none of its working state stays in this future across
+        // the awaits below.
         let p = match self.prepare(&downstream, &upstream, &mut initial) {
             Ok(p) => p,
             Err(reason) => return Err(self.refuse(reason, downstream, upstream, initial)),
@@ -274,10 +281,16 @@ impl Rewriter {
         let (a, b) = (downstream.as_raw_fd(), upstream.as_raw_fd());
         self.live.fetch_add(1, Relaxed);
         self.spliced.fetch_add(1, Relaxed);
+        // Declared before the guard, so that it closes after the guard ran.
         let mut upstream = upstream;
+        let mut undo = Undo {
+            rewriter: self,
+            addrs,
+            b,
+            pending: true,
+            armed: true,
+        };
         let sent = upstream.write_all(&initial).await;
-        // From here on the connection holds only what it needs to end: a few hundred
-        // bytes per connection, with nothing registered in tokio's reactor.
         let initial_len = initial.len() as u64;
         drop(initial);
         // Step 3: after a grace period, nothing that passed the program before the
@@ -288,6 +301,8 @@ impl Rewriter {
             _ => true,
         };
         self.pending.fetch_sub(1, Relaxed);
+        undo.pending = false;
+        undo.armed = false;
         if stranded {
             self.stranded.fetch_add(1, Relaxed);
             warn!(
@@ -311,24 +326,23 @@ impl Rewriter {
         }
         // Silent: A is in repair mode.
         drop(downstream);
-        // B only holds its 4-tuple now: out of the reactor (the diverted ACK would wake
-        // it), through a second descriptor, so that no close ever sends its FIN.
-        let upstream = match upstream.as_fd().try_clone_to_owned() {
-            Ok(fd) => {
-                drop(upstream);
-                Held::Fd(fd)
+        // B only holds its 4-tuple now, out of the reactor (the diverted ACK would wake
+        // it).
+        let upstream = match upstream.into_std() {
+            Ok(s) => OwnedFd::from(s),
+            Err(e) => {
+                // Taking it out of epoll failed, and closed it: its FIN is out of place
+                // in the spliced conversation.
+                self.abort(&addrs, &entries, None);
+                return Ok(Err(e));
             }
-            Err(_) => Held::Stream(upstream),
         };
-        let end = self.wait_end(signals, &entries, slot, limits, start).await;
-        let (d2u, u2d) = self.finish(&addrs, &entries, end).await;
-        // Silent too: the pod learnt of the end from the client.
-        let _ = set_repair(upstream.as_raw_fd(), 1);
-        drop(upstream);
-        Ok(Ok(Outcome {
-            downstream_to_upstream: initial_len + d2u,
-            upstream_to_downstream: u2d,
-            end,
+        Ok(Ok(Handed {
+            addrs,
+            slot,
+            upstream,
+            initial_len,
+            start,
         }))
     }
 
@@ -381,10 +395,7 @@ impl Rewriter {
         }
         let slot = REWRITE_SLOT_BASE | (self.next_slot.fetch_add(1, Relaxed) & !REWRITE_SLOT_BASE);
         let hello_end = seqs.b_snd.wrapping_add(initial.len() as u32);
-        let entries = Entries {
-            from_client: key(addrs.client, addrs.a_local),
-            from_pod: key(addrs.pod, addrs.b_local),
-        };
+        let entries = addrs.entries();
         let from_client = Rewrite {
             to: key(addrs.b_local, addrs.pod),
             slot,
@@ -467,35 +478,6 @@ impl Rewriter {
             .sum()
     }
 
-    async fn wait_end(
-        &self,
-        signals: &Signals,
-        entries: &Entries,
-        slot: u32,
-        limits: Limits,
-        start: Instant,
-    ) -> End {
-        let mut seen = self.packets(entries);
-        loop {
-            let deadline = match limits.max_lifetime {
-                Some(l) => (start + l).min(Instant::now() + limits.idle_timeout),
-                None => Instant::now() + limits.idle_timeout,
-            };
-            let wait = signals.wait(slot, || self.ended(entries).is_some());
-            if tokio::time::timeout_at(deadline.into(), wait).await.is_ok() {
-                return self.ended(entries).unwrap_or(End::Closed);
-            }
-            if limits.max_lifetime.is_some_and(|l| start.elapsed() >= l) {
-                return End::LifetimeExceeded;
-            }
-            let now = self.packets(entries);
-            if now == seen {
-                return End::IdleTimeout;
-            }
-            seen = now;
-        }
-    }
-
     /// Removes the entries and resets both ends, each at the sequence number it expects
     /// next (what the program saw the other end send, moved into its number space), or
     /// the pod at `pod_seq`. Returns the bytes each direction carried.
@@ -521,14 +503,9 @@ impl Rewriter {
         (c.map_or(0, |r| r.bytes), p.map_or(0, |r| r.bytes))
     }
 
-    /// Removes the entries (after [`LINGER`] if the connection ended by itself; with
-    /// resets to both ends if the daemon ends it) and returns the bytes each direction
-    /// carried.
-    async fn finish(&self, addrs: &Addrs, entries: &Entries, end: End) -> (u64, u64) {
-        if matches!(end, End::IdleTimeout | End::LifetimeExceeded) {
-            return self.abort(addrs, entries, None);
-        }
-        tokio::time::sleep(LINGER).await;
+    /// Removes the entries of a connection that ended by itself; the bytes each
+    /// direction carried.
+    fn remove_ended(&self, entries: &Entries) -> (u64, u64) {
         let c = self.get(&entries.from_client).map_or(0, |r| r.bytes);
         let p = self.get(&entries.from_pod).map_or(0, |r| r.bytes);
         self.remove(entries);
@@ -536,18 +513,199 @@ impl Rewriter {
     }
 }
 
-/// The waypoint's socket to the pod while the connection is spliced.
-enum Held {
-    Fd(OwnedFd),
-    Stream(TcpStream),
+/// Ends a hand-over dropped half-way (at the drain deadline): entries out, both ends
+/// reset, B silent.
+struct Undo<'a> {
+    rewriter: &'a Rewriter,
+    addrs: Addrs,
+    b: RawFd,
+    /// Still counted in `pending`.
+    pending: bool,
+    armed: bool,
 }
 
-impl AsRawFd for Held {
-    fn as_raw_fd(&self) -> RawFd {
-        match self {
-            Held::Fd(fd) => fd.as_raw_fd(),
-            Held::Stream(s) => s.as_raw_fd(),
+impl Drop for Undo<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
         }
+        if self.pending {
+            self.rewriter.pending.fetch_sub(1, Relaxed);
+        }
+        debug!(client = %self.addrs.client, "rewrite hand-over dropped half-way: both ends reset");
+        self.rewriter
+            .abort(&self.addrs, &self.addrs.entries(), None);
+        // B is still open: its owner drops after this guard.
+        let _ = set_repair(self.b, 1);
+    }
+}
+
+/// What the hand-over leaves of a spliced connection: all [`Spliced`] needs.
+pub(super) struct Handed {
+    addrs: Addrs,
+    slot: u32,
+    /// B, kept for its 4-tuple (and, until the pod acknowledges it, to resend the hello).
+    upstream: OwnedFd,
+    /// The hello's length and what was read behind it: the daemon sent them itself.
+    initial_len: u64,
+    /// When the hand-over started, for the lifetime.
+    start: Instant,
+}
+
+pin_project_lite::pin_project! {
+    /// The spliced phase: waits for the connection's end (a signal from the program, the
+    /// idle timeout, the lifetime), lets the entries linger, and returns the outcome.
+    ///
+    /// Hand-written, and all of a spliced connection's state in the daemon (about 250
+    /// bytes, inline in the connection's task): an `async fn` would hold the hand-over's
+    /// state beside it. Dropped before its end (the drain deadline), it ends the
+    /// connection: entries out, both ends reset.
+    pub(super) struct Spliced {
+        #[pin]
+        timer: tokio::time::Sleep,
+        conn: Conn,
+    }
+}
+
+/// [`Spliced`] without its timer.
+struct Conn {
+    rewriter: Arc<Rewriter>,
+    addrs: Addrs,
+    slot: u32,
+    upstream: OwnedFd,
+    initial_len: u64,
+    idle_timeout: Duration,
+    /// When the lifetime ends, if it does.
+    lifetime_end: Option<Instant>,
+    /// Packets rewritten at the last timer, both directions.
+    seen: u64,
+    /// Registered for the slot's signals.
+    registered: bool,
+    /// Set at the end, while the entries linger.
+    end: Option<End>,
+    /// The entries are gone and the outcome returned.
+    done: bool,
+}
+
+impl Spliced {
+    /// `rewriter` must be the one that handed the connection over.
+    pub fn new(rewriter: Arc<Rewriter>, handed: Handed, limits: Limits) -> Spliced {
+        let Handed {
+            addrs,
+            slot,
+            upstream,
+            initial_len,
+            start,
+        } = handed;
+        let conn = Conn {
+            seen: rewriter.packets(&addrs.entries()),
+            rewriter,
+            addrs,
+            slot,
+            upstream,
+            initial_len,
+            idle_timeout: limits.idle_timeout,
+            lifetime_end: limits.max_lifetime.map(|l| start + l),
+            registered: false,
+            end: None,
+            done: false,
+        };
+        Spliced {
+            timer: tokio::time::sleep_until(conn.deadline(Instant::now()).into()),
+            conn,
+        }
+    }
+}
+
+impl Conn {
+    /// When to look at the connection next: the idle timeout from `now`, or the end of
+    /// its lifetime if sooner.
+    fn deadline(&self, now: Instant) -> Instant {
+        let idle = now + self.idle_timeout;
+        self.lifetime_end.map_or(idle, |l| l.min(idle))
+    }
+
+    fn unregister(&mut self) {
+        if std::mem::take(&mut self.registered) {
+            self.rewriter.signals.unregister(self.slot);
+        }
+    }
+
+    /// The outcome, once the entries are gone (after the linger, or at once with resets
+    /// for an end the daemon decided).
+    fn outcome(&mut self, end: End) -> Outcome {
+        self.unregister();
+        let entries = self.addrs.entries();
+        let (d2u, u2d) = if matches!(end, End::IdleTimeout | End::LifetimeExceeded) {
+            self.rewriter.abort(&self.addrs, &entries, None)
+        } else {
+            self.rewriter.remove_ended(&entries)
+        };
+        // Silent: the pod learnt of the end from the client, or from its reset.
+        let _ = set_repair(self.upstream.as_raw_fd(), 1);
+        self.done = true;
+        Outcome {
+            downstream_to_upstream: self.initial_len + d2u,
+            upstream_to_downstream: u2d,
+            end,
+        }
+    }
+}
+
+impl Future for Spliced {
+    type Output = Outcome;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Outcome> {
+        let mut this = self.project();
+        let c = this.conn;
+        if c.done {
+            // Polled after its end: nothing more to say.
+            return Poll::Pending;
+        }
+        loop {
+            if let Some(end) = c.end {
+                ready!(this.timer.as_mut().poll(cx));
+                return Poll::Ready(c.outcome(end));
+            }
+            c.rewriter.signals.register(c.slot, cx.waker());
+            c.registered = true;
+            // After the registration: a signal sent from here on wakes this task.
+            if let Some(end) = c.rewriter.ended(&c.addrs.entries()) {
+                c.unregister();
+                c.end = Some(end);
+                this.timer.as_mut().reset((Instant::now() + LINGER).into());
+                continue;
+            }
+            ready!(this.timer.as_mut().poll(cx));
+            let now = Instant::now();
+            if c.lifetime_end.is_some_and(|l| now >= l) {
+                return Poll::Ready(c.outcome(End::LifetimeExceeded));
+            }
+            let packets = c.rewriter.packets(&c.addrs.entries());
+            if packets == c.seen {
+                return Poll::Ready(c.outcome(End::IdleTimeout));
+            }
+            c.seen = packets;
+            this.timer.as_mut().reset(c.deadline(now).into());
+        }
+    }
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        self.unregister();
+        if self.done {
+            return;
+        }
+        let entries = self.addrs.entries();
+        if self.end.is_some() {
+            // Ended by itself; only the linger was cut short.
+            self.rewriter.remove_ended(&entries);
+        } else {
+            debug!(client = %self.addrs.client, "spliced connection ended by the daemon: both ends reset");
+            self.rewriter.abort(&self.addrs, &entries, None);
+        }
+        let _ = set_repair(self.upstream.as_raw_fd(), 1);
     }
 }
 
@@ -564,6 +722,7 @@ pub(super) fn interfaces() -> io::Result<Vec<String>> {
 }
 
 /// The four addresses of a connection that can be spliced by rewriting.
+#[derive(Clone, Copy)]
 struct Addrs {
     client: SocketAddrV4,
     a_local: SocketAddrV4,
@@ -572,6 +731,14 @@ struct Addrs {
 }
 
 impl Addrs {
+    /// The map's keys for the connection.
+    fn entries(&self) -> Entries {
+        Entries {
+            from_client: key(self.client, self.a_local),
+            from_pod: key(self.pod, self.b_local),
+        }
+    }
+
     fn of(downstream: &TcpStream, upstream: &TcpStream) -> Option<Addrs> {
         let v4 = |a: io::Result<SocketAddr>| match a.ok()? {
             SocketAddr::V4(a) => Some(a),

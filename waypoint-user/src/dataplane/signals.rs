@@ -189,6 +189,25 @@ impl Signals {
         }
     }
 
+    /// Has `waker` woken at slot `slot`'s next signals, until [`Signals::unregister`].
+    /// The caller checks its condition after this call, so that a signal sent between
+    /// the check and the registration cannot be missed.
+    pub fn register(&self, slot: u32, waker: &Waker) {
+        let mut waiters = lock(&self.waiters);
+        match waiters.get_mut(&slot) {
+            Some(w) if w.will_wake(waker) => {}
+            Some(w) => w.clone_from(waker),
+            None => {
+                waiters.insert(slot, waker.clone());
+            }
+        }
+    }
+
+    /// Undoes [`Signals::register`].
+    pub fn unregister(&self, slot: u32) {
+        lock(&self.waiters).remove(&slot);
+    }
+
     /// Resolves once `ready` returns true: checked at every poll, after the task's waker
     /// is registered for slot `slot`'s signals. `ready` must turn true before the signal
     /// is sent (the verdict counts a passed segment before it signals).
@@ -213,7 +232,7 @@ pub(super) struct Wait<'a, F> {
 impl<F> Wait<'_, F> {
     fn unregister(&mut self) {
         if std::mem::take(&mut self.registered) {
-            lock(&self.signals.waiters).remove(&self.slot);
+            self.signals.unregister(self.slot);
         }
     }
 }
@@ -223,16 +242,7 @@ impl<F: Fn() -> bool + Unpin> Future for Wait<'_, F> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
         let this = self.get_mut();
-        {
-            let mut waiters = lock(&this.signals.waiters);
-            match waiters.get_mut(&this.slot) {
-                Some(w) if w.will_wake(cx.waker()) => {}
-                Some(w) => w.clone_from(cx.waker()),
-                None => {
-                    waiters.insert(this.slot, cx.waker().clone());
-                }
-            }
-        }
+        this.signals.register(this.slot, cx.waker());
         this.registered = true;
         if (this.ready)() {
             this.unregister();
