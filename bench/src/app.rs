@@ -217,7 +217,12 @@ fn scale_check(s: Scale) -> anyhow::Result<bool> {
     check_waypoint(&s.common.waypoint)?;
     let kind = Kind::parse(&s.dataplane)
         .filter(|k| k.is_waypoint())
-        .with_context(|| format!("--dataplane {:?}: use ebpf, splice or copy", s.dataplane))?;
+        .with_context(|| {
+            format!(
+                "--dataplane {:?}: use ebpf, ebpf-rewrite, splice or copy",
+                s.dataplane
+            )
+        })?;
     let work = Work::new()?;
     let settings = scale::Settings {
         connections: s.connections,

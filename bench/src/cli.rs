@@ -123,7 +123,7 @@ pub struct Scale {
     /// Concurrent connections to hold.
     #[arg(long, default_value_t = 100_000)]
     pub connections: usize,
-    /// The waypoint dataplane: ebpf, splice or copy.
+    /// The waypoint dataplane: ebpf, ebpf-rewrite (ebpf with --rewrite-splice), splice or copy.
     #[arg(long, default_value = "ebpf")]
     pub dataplane: String,
     /// Give up opening connections after this long (seconds).

@@ -267,6 +267,11 @@ pub fn run(s: &Settings) -> anyhow::Result<(String, Value, bool)> {
     std::thread::sleep(Duration::from_secs(2));
     let admins: Vec<SocketAddr> = routers.iter().filter_map(|r| r.admin).collect();
     let parked = wait_parked(&admins, opened, PARK_WAIT);
+    // Connections spliced by rewriting (`--rewrite-splice`) are not parked: counted apart.
+    let rewritten: Option<f64> = admins
+        .iter()
+        .map(|&a| metric(a, "waypoint_rewrite_live"))
+        .sum();
     let rss_peak = rss_of(&routers);
     let active_peak = active(&routers);
     let per_daemon: Vec<Option<f64>> = routers
@@ -330,7 +335,7 @@ pub fn run(s: &Settings) -> anyhow::Result<(String, Value, bool)> {
          | waypoint_active_connections at the peak (sum) | {} |\n\
          | per daemon | {} |\n\
          | spot check (1 byte echoed on every 997th) | {} of {checked} ok |\n\
-         | daemons' RSS before → at the peak | {:.1} MiB → {:.1} MiB ({per_conn:.0} B per connection; {} parked) |\n\
+         | daemons' RSS before → at the peak | {:.1} MiB → {:.1} MiB ({per_conn:.0} B per connection; {} parked{}) |\n\
          | all closed and drained | {} in {close_s:.1} s |\n\
          | daemons alive throughout | {} |\n",
         if ok { "✅ passed" } else { "❌ failed" },
@@ -349,6 +354,7 @@ pub fn run(s: &Settings) -> anyhow::Result<(String, Value, bool)> {
         mib(rss_before),
         mib(rss_peak),
         parked.map_or("–".into(), |p| format!("{p:.0}")),
+        rewritten.map_or(String::new(), |r| format!(", {r:.0} spliced by rewriting")),
         if drained { "yes" } else { "NO" },
         if alive { "yes" } else { "NO" },
     ));
@@ -363,7 +369,7 @@ pub fn run(s: &Settings) -> anyhow::Result<(String, Value, bool)> {
         "active_at_peak": active_peak, "active_per_daemon": per_daemon,
         "spot_checked": checked, "spot_check_failed": check_failed,
         "rss_before_bytes": rss_before, "rss_peak_bytes": rss_peak, "rss_bytes_per_conn": per_conn,
-        "parked_at_peak": parked,
+        "parked_at_peak": parked, "rewrite_live_at_peak": rewritten,
         "drained": drained, "close_secs": close_s, "daemons_alive": alive, "rlimit_nofile": nofile,
         "notes": notes, "wall_secs": started.elapsed().as_secs_f64(),
     });

@@ -103,7 +103,7 @@ enum Bench {
         /// Concurrent connections.
         #[arg(long, default_value_t = 100_000)]
         connections: usize,
-        /// Dataplane: ebpf, splice or copy.
+        /// Dataplane: ebpf, ebpf-rewrite (ebpf with --rewrite-splice), splice or copy.
         #[arg(long, default_value = "ebpf")]
         dataplane: String,
         /// Give up opening connections after this many seconds.
