@@ -271,6 +271,15 @@ pub(crate) fn abort_on_close(sock: &impl AsFd) {
     let _ = socket2::SockRef::from(sock).set_linger(Some(Duration::ZERO));
 }
 
+/// Reads what `sock` holds now, without waiting, whatever tokio's readiness cache says:
+/// tokio's `try_read` does not even try while its reactor has not yet seen the socket
+/// readable, and would leave behind bytes that arrived since the reactor last turned.
+/// Reading behind tokio's back is safe: a stale "readable" costs one WouldBlock later.
+pub(crate) fn read_now(sock: &impl AsFd, buf: &mut [u8]) -> io::Result<usize> {
+    use std::io::Read as _;
+    (&*socket2::SockRef::from(sock)).read(buf)
+}
+
 /// Shuts the write side of `sock` (sends FIN after everything queued).
 pub(crate) fn shutdown_write(sock: &impl AsFd) -> io::Result<()> {
     match socket2::SockRef::from(sock).shutdown(std::net::Shutdown::Write) {

@@ -806,10 +806,12 @@ fn snapshot(
         set_repair(a, TCP_REPAIR_OFF_NO_WP)?;
         let mut buf = [0u8; 16 * 1024];
         loop {
-            match downstream.try_read(&mut buf) {
+            // Not `try_read`, which skips the read while tokio has not seen the bytes.
+            match super::read_now(downstream, &mut buf) {
                 Ok(0) => return Ok(None),
                 Ok(n) => initial.extend_from_slice(&buf[..n]),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),
             }
         }
