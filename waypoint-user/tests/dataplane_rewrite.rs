@@ -351,21 +351,31 @@ async fn stranded_bytes_reset_both_ends() {
     let mut proxy = common::proxy(dp, back.local_addr().unwrap(), HELLO, Limits::default()).await;
     let addr = proxy.addr;
     let held = e.clone();
-    let c = tokio::spawn(async move {
-        let mut c = TcpStream::connect(addr).await.unwrap();
+    // On its own thread, not a worker: the pause blocks the worker that runs the
+    // hand-over, and a client task woken on that worker (into its LIFO slot, which the
+    // other worker cannot steal) would wait out the pause and send too late.
+    let c = tokio::task::spawn_blocking(move || {
+        use std::io::{Read as _, Write as _};
+        let mut c = std::net::TcpStream::connect(addr).unwrap();
         let hello: Vec<u8> = (0..HELLO).map(|i| i as u8).collect();
-        c.write_all(&hello).await.unwrap();
+        c.write_all(&hello).unwrap();
         // Once the hand-over has read the sequence numbers, it is held for 2 s before it
         // inserts the entries: what the client sends now lands in the waypoint's socket.
-        tokio::time::timeout(Duration::from_secs(10), async {
-            while held.rewrite_counts().unwrap().0.pending == 0 {
-                tokio::time::sleep(Duration::from_millis(1)).await;
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while held.rewrite_counts().unwrap().0.pending == 0 {
+            assert!(std::time::Instant::now() < deadline, "the hand-over starts");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        c.write_all(b"too early").unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut buf = [0u8; 4096];
+        loop {
+            match c.read(&mut buf) {
+                Ok(0) => return None,
+                Ok(_) => {}
+                Err(e) => return Some(e.kind()),
             }
-        })
-        .await
-        .expect("the hand-over starts");
-        c.write_all(b"too early").await.unwrap();
-        read_until_error(&mut c).await
+        }
     });
     let mut s = server(&back).await;
     both_reset(&mut s, c).await;
@@ -570,4 +580,87 @@ async fn full_map_refuses_to_the_sockhash_path() {
         assert_eq!(o.downstream_to_upstream, HELLO as u64 + 100_000, "{o:?}");
     }
     assert_eq!(e.rewrite_entries(), 0);
+}
+
+/// A pod that speaks before the hello is forwarded (a banner, or a banner and its FIN)
+/// left bytes in the waypoint's socket B that a rewritten conversation would lose: the
+/// hand-over refuses it (counted as busy) and the SockHash path carries everything,
+/// the banner first.
+async fn pod_that_speaks_first(close_after_banner: bool) {
+    const BANNER: &[u8] = b"220 pod speaking first\r\n";
+    let (dp, e) = load();
+    let back = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let (mut proxy, gate) =
+        common::proxy_gated(dp, back.local_addr().unwrap(), HELLO, Limits::default()).await;
+    let addr = proxy.addr;
+    let client = tokio::spawn(async move {
+        let mut c = TcpStream::connect(addr).await.unwrap();
+        let hello: Vec<u8> = (0..HELLO).map(|i| i as u8).collect();
+        c.write_all(&hello).await.unwrap();
+        c
+    });
+    let (mut s, _) = back.accept().await.unwrap();
+    s.write_all(BANNER).await.unwrap();
+    if close_after_banner {
+        s.shutdown().await.unwrap();
+    }
+    // The waypoint's socket B holds the banner (and the FIN) once the pod has nothing
+    // unacknowledged.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while common::tcp_info(&s).tcpi_unacked != 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "B never acknowledged the banner"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    gate.add_permits(1);
+    let mut c = client.await.unwrap();
+    let mut hello = vec![0u8; HELLO];
+    s.read_exact(&mut hello).await.unwrap();
+    assert!(
+        hello.iter().enumerate().all(|(i, b)| *b == i as u8),
+        "hello intact"
+    );
+    let mut banner = vec![0u8; BANNER.len()];
+    c.read_exact(&mut banner).await.unwrap();
+    assert_eq!(banner, BANNER);
+    let mut msg = vec![0u8; 100_000];
+    common::pattern_fill(7, 0, &mut msg);
+    c.write_all(&msg).await.unwrap();
+    let mut got = vec![0u8; msg.len()];
+    s.read_exact(&mut got).await.unwrap();
+    assert_eq!(got, msg, "client to pod");
+    if close_after_banner {
+        let mut rest = Vec::new();
+        c.read_to_end(&mut rest).await.unwrap();
+        assert!(rest.is_empty(), "the pod's FIN, and nothing after it");
+    } else {
+        s.write_all(&msg).await.unwrap();
+        c.read_exact(&mut got).await.unwrap();
+        assert_eq!(got, msg, "pod to client");
+    }
+    let (counts, _) = e.rewrite_counts().unwrap();
+    assert_eq!(counts.spliced, 0, "{counts:?}");
+    assert_eq!(counts.refused, [0, 0, 1, 0], "refused as busy");
+    drop(c);
+    drop(s);
+    let o = common::next_outcome(&mut proxy, Duration::from_secs(30)).await;
+    assert_eq!(o.downstream_to_upstream, HELLO as u64 + 100_000, "{o:?}");
+    let back_bytes = if close_after_banner { 0 } else { 100_000 };
+    assert_eq!(
+        o.upstream_to_downstream,
+        (BANNER.len() + back_bytes) as u64,
+        "{o:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pod_speaking_first_is_refused_to_the_sockhash_path() {
+    pod_that_speaks_first(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pod_closing_first_is_refused_to_the_sockhash_path() {
+    pod_that_speaks_first(true).await;
 }

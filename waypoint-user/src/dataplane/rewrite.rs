@@ -296,7 +296,8 @@ impl Rewriter {
         // Step 3: after a grace period, nothing that passed the program before the
         // entries were in is still on its way to A or B.
         self.grace.wait().await;
-        let stranded = match (&sent, queue_seq(a, TCP_RECV_QUEUE), rcv_nxt(b)) {
+        // Both sockets still have their receive queue selected (see `snapshot`).
+        let stranded = match (&sent, selected_seq(a), selected_seq(b)) {
             (Ok(()), Ok(a_now), Ok(b_now)) => a_now != a_rcv || b_now != b_rcv,
             _ => true,
         };
@@ -364,6 +365,11 @@ impl Rewriter {
         }
         // Neither socket has sent a byte: a rewritten packet cannot acknowledge them.
         if info_a.unacked != 0 || info_b.unacked != 0 {
+            return Err(Refusal::Busy);
+        }
+        // A pod that spoke first (or closed) is not for this splice: what B holds would
+        // be lost between the two conversations.
+        if info_b.bytes_received != 0 {
             return Err(Refusal::Busy);
         }
         let seqs = match snapshot(downstream, upstream, initial) {
@@ -452,14 +458,18 @@ impl Rewriter {
         self.live.fetch_sub(1, Relaxed);
     }
 
-    /// How the connection ended, from its entries; None while it goes on.
-    fn ended(&self, entries: &Entries) -> Option<End> {
+    /// The connection as its entries tell it: one lookup of each.
+    fn state(&self, entries: &Entries) -> State {
         let (Some(c), Some(p)) = (self.get(&entries.from_client), self.get(&entries.from_pod))
         else {
             // The program removed them: a SYN reused the client's 4-tuple.
-            return Some(End::DownstreamReset);
+            return State {
+                end: Some(End::DownstreamReset),
+                packets: 0,
+                bytes: (0, 0),
+            };
         };
-        if c.flags & REWRITE_RST != 0 {
+        let end = if c.flags & REWRITE_RST != 0 {
             Some(End::DownstreamReset)
         } else if p.flags & REWRITE_RST != 0 {
             Some(End::UpstreamReset)
@@ -467,15 +477,12 @@ impl Rewriter {
             Some(End::Closed)
         } else {
             None
+        };
+        State {
+            end,
+            packets: c.packets + p.packets,
+            bytes: (c.bytes, p.bytes),
         }
-    }
-
-    fn packets(&self, entries: &Entries) -> u64 {
-        [entries.from_client, entries.from_pod]
-            .iter()
-            .filter_map(|k| self.get(k))
-            .map(|r| r.packets)
-            .sum()
     }
 
     /// Removes the entries and resets both ends, each at the sequence number it expects
@@ -502,15 +509,16 @@ impl Rewriter {
         }
         (c.map_or(0, |r| r.bytes), p.map_or(0, |r| r.bytes))
     }
+}
 
-    /// Removes the entries of a connection that ended by itself; the bytes each
-    /// direction carried.
-    fn remove_ended(&self, entries: &Entries) -> (u64, u64) {
-        let c = self.get(&entries.from_client).map_or(0, |r| r.bytes);
-        let p = self.get(&entries.from_pod).map_or(0, |r| r.bytes);
-        self.remove(entries);
-        (c, p)
-    }
+/// What [`Rewriter::state`] read.
+struct State {
+    /// How the connection ended; None while it goes on.
+    end: Option<End>,
+    /// Packets rewritten, both directions.
+    packets: u64,
+    /// Bytes carried from the client and from the pod.
+    bytes: (u64, u64),
 }
 
 /// Ends a hand-over dropped half-way (at the drain deadline): entries out, both ends
@@ -577,12 +585,14 @@ struct Conn {
     idle_timeout: Duration,
     /// When the lifetime ends, if it does.
     lifetime_end: Option<Instant>,
-    /// Packets rewritten at the last timer, both directions.
-    seen: u64,
+    /// Packets rewritten at the last timer, both directions (None until the first
+    /// look at the entries, in the first poll).
+    seen: Option<u64>,
     /// Registered for the slot's signals.
     registered: bool,
-    /// Set at the end, while the entries linger.
-    end: Option<End>,
+    /// Set at the end, while the entries linger: how it ended, and the bytes each
+    /// direction carried (final: nothing follows a reset or the second FIN).
+    end: Option<(End, (u64, u64))>,
     /// The entries are gone and the outcome returned.
     done: bool,
 }
@@ -598,7 +608,7 @@ impl Spliced {
             start,
         } = handed;
         let conn = Conn {
-            seen: rewriter.packets(&addrs.entries()),
+            seen: None,
             rewriter,
             addrs,
             slot,
@@ -631,15 +641,18 @@ impl Conn {
         }
     }
 
-    /// The outcome, once the entries are gone (after the linger, or at once with resets
-    /// for an end the daemon decided).
-    fn outcome(&mut self, end: End) -> Outcome {
+    /// The outcome, once the entries are gone: after the linger of a connection that
+    /// ended by itself (`bytes` from its end), or at once with resets for an end the
+    /// daemon decided.
+    fn outcome(&mut self, end: End, bytes: Option<(u64, u64)>) -> Outcome {
         self.unregister();
         let entries = self.addrs.entries();
-        let (d2u, u2d) = if matches!(end, End::IdleTimeout | End::LifetimeExceeded) {
-            self.rewriter.abort(&self.addrs, &entries, None)
-        } else {
-            self.rewriter.remove_ended(&entries)
+        let (d2u, u2d) = match bytes {
+            Some(bytes) => {
+                self.rewriter.remove(&entries);
+                bytes
+            }
+            None => self.rewriter.abort(&self.addrs, &entries, None),
         };
         // Silent: the pod learnt of the end from the client, or from its reset.
         let _ = set_repair(self.upstream.as_raw_fd(), 1);
@@ -663,29 +676,31 @@ impl Future for Spliced {
             return Poll::Pending;
         }
         loop {
-            if let Some(end) = c.end {
+            if let Some((end, bytes)) = c.end {
                 ready!(this.timer.as_mut().poll(cx));
-                return Poll::Ready(c.outcome(end));
+                return Poll::Ready(c.outcome(end, Some(bytes)));
             }
             c.rewriter.signals.register(c.slot, cx.waker());
             c.registered = true;
             // After the registration: a signal sent from here on wakes this task.
-            if let Some(end) = c.rewriter.ended(&c.addrs.entries()) {
+            let state = c.rewriter.state(&c.addrs.entries());
+            if let Some(end) = state.end {
                 c.unregister();
-                c.end = Some(end);
+                c.end = Some((end, state.bytes));
                 this.timer.as_mut().reset((Instant::now() + LINGER).into());
                 continue;
             }
+            let seen = *c.seen.get_or_insert(state.packets);
             ready!(this.timer.as_mut().poll(cx));
             let now = Instant::now();
             if c.lifetime_end.is_some_and(|l| now >= l) {
-                return Poll::Ready(c.outcome(End::LifetimeExceeded));
+                return Poll::Ready(c.outcome(End::LifetimeExceeded, None));
             }
-            let packets = c.rewriter.packets(&c.addrs.entries());
-            if packets == c.seen {
-                return Poll::Ready(c.outcome(End::IdleTimeout));
+            // `state` is from this poll: the timer fired after it was read.
+            if state.packets == seen {
+                return Poll::Ready(c.outcome(End::IdleTimeout, None));
             }
-            c.seen = packets;
+            c.seen = Some(state.packets);
             this.timer.as_mut().reset(c.deadline(now).into());
         }
     }
@@ -700,7 +715,7 @@ impl Drop for Conn {
         let entries = self.addrs.entries();
         if self.end.is_some() {
             // Ended by itself; only the linger was cut short.
-            self.rewriter.remove_ended(&entries);
+            self.rewriter.remove(&entries);
         } else {
             debug!(client = %self.addrs.client, "spliced connection ended by the daemon: both ends reset");
             self.rewriter.abort(&self.addrs, &entries, None);
@@ -775,17 +790,16 @@ struct Seqs {
 }
 
 /// Step 1: A into repair mode with nothing unread, and both sockets' sequence numbers.
-/// None if A kept receiving, or B holds bytes from the pod (A is then out of repair mode).
+/// None if A kept receiving (A is then out of repair mode).
+///
+/// Leaves both sockets with their receive queue selected, so that step 3 reads their
+/// `rcv_nxt` with one call each ([`selected_seq`]).
 fn snapshot(
     downstream: &TcpStream,
     upstream: &TcpStream,
     initial: &mut Vec<u8>,
 ) -> io::Result<Option<Seqs>> {
     let (a, b) = (downstream.as_raw_fd(), upstream.as_raw_fd());
-    // A pod that spoke first (B holds its bytes) is not for this splice.
-    if ioctl_int(b, libc::TIOCINQ)? != 0 {
-        return Ok(None);
-    }
     for _ in 0..DRAIN_ROUNDS {
         set_repair(a, 1)?;
         if ioctl_int(a, libc::TIOCINQ)? == 0 {
@@ -819,12 +833,12 @@ fn snapshot(
     Ok(None)
 }
 
-/// B's `rcv_nxt` (B goes into repair mode for the read, and out again).
-fn rcv_nxt(b: RawFd) -> io::Result<u32> {
-    set_repair(b, 1)?;
-    let r = queue_seq(b, TCP_RECV_QUEUE);
-    set_repair(b, TCP_REPAIR_OFF_NO_WP)?;
-    r
+/// The sequence number of the queue last selected with `TCP_REPAIR_QUEUE`, in or out
+/// of repair mode: the kernel resets the selection only when a socket enters repair
+/// mode, and reads `TCP_QUEUE_SEQ` without checking the mode. Saves a socket that left
+/// repair mode three calls (mode on, select, mode off).
+fn selected_seq(fd: RawFd) -> io::Result<u32> {
+    getsockopt_u32(fd, TCP_QUEUE_SEQ)
 }
 
 /// Sends a reset from `from` to `to` with sequence number `seq`, through a raw socket:
@@ -952,6 +966,8 @@ struct Info {
     snd_wscale: u8,
     /// Shift this socket applies to the windows it advertises.
     rcv_wscale: u8,
+    /// Sequence space received: data bytes and a FIN.
+    bytes_received: u64,
 }
 
 impl Info {
@@ -969,7 +985,7 @@ impl Info {
 }
 
 fn tcp_info(fd: RawFd) -> io::Result<Info> {
-    let mut buf = [0u8; 92];
+    let mut buf = [0u8; 136];
     let mut len = buf.len() as libc::socklen_t;
     // SAFETY: a valid buffer of `len` bytes and its length; the kernel copies at most that.
     let r = unsafe {
@@ -989,10 +1005,11 @@ fn tcp_info(fd: RawFd) -> io::Result<Info> {
     }
     let u32_at = |at: usize| u32::from_ne_bytes([buf[at], buf[at + 1], buf[at + 2], buf[at + 3]]);
     // struct tcp_info: tcpi_options is byte 5, the two 4-bit window scales byte 6,
-    // tcpi_unacked at 24, tcpi_advmss at 84.
+    // tcpi_unacked at 24, tcpi_advmss at 84, tcpi_bytes_received at 128 (Linux 4.1).
     Ok(Info {
         unacked: u32_at(24),
         advmss: u32_at(84),
+        bytes_received: u64::from_ne_bytes(buf[128..136].try_into().unwrap_or_default()),
         options: buf[5],
         snd_wscale: buf[6] & 0xf,
         rcv_wscale: buf[6] >> 4,

@@ -211,6 +211,11 @@ pub const TCP_FIN_WAIT2: u8 = 5;
 
 /// The TCP state of `sock` (TCP_INFO's tcpi_state).
 pub fn tcp_state(sock: &impl std::os::fd::AsRawFd) -> u8 {
+    tcp_info(sock).tcpi_state
+}
+
+/// `sock`'s TCP_INFO.
+pub fn tcp_info(sock: &impl std::os::fd::AsRawFd) -> libc::tcp_info {
     // SAFETY: tcp_info is plain old data; zeroed is a valid value.
     let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
@@ -225,7 +230,7 @@ pub fn tcp_state(sock: &impl std::os::fd::AsRawFd) -> u8 {
         )
     };
     assert_eq!(rc, 0, "TCP_INFO: {}", std::io::Error::last_os_error());
-    info.tcpi_state
+    info
 }
 
 /// Polls until `sock` is in TCP state `state`, failing after `within`.
