@@ -1660,6 +1660,25 @@ mod tests {
         (a, b)
     }
 
+    /// A spliced connection's task holds [`Rewriting`] (its `Spliced` inline) for the
+    /// connection's life, in an enum beside the SockHash path's future: it must take no
+    /// more room than that, or every connection pays for it. Printed for
+    /// docs/ARCHITECTURE.md.
+    #[test]
+    fn the_rewrite_path_is_no_bigger_than_the_sockhash_path() {
+        fn returned<A, B, C, D, E, R>(_: fn(A, B, C, D, E) -> R) -> usize {
+            size_of::<R>()
+        }
+        let sockhash = returned(Ebpf::forward_sockmap);
+        let rewriting = size_of::<Rewriting>();
+        let spliced = size_of::<rewrite::Spliced>();
+        eprintln!("sockhash path {sockhash} B, rewrite path {rewriting} B (Spliced {spliced} B)");
+        assert!(
+            rewriting <= sockhash,
+            "the rewrite path ({rewriting} B) outgrew the SockHash path ({sockhash} B)"
+        );
+    }
+
     /// Bytes that arrived since tokio's reactor last turned are drained all the same. With
     /// `try_read` they stayed queued, and a pod's banner waited in the SockHash for the
     /// pod's next segment, which never came (about one run in twenty of the rewrite

@@ -585,16 +585,26 @@ struct Conn {
     idle_timeout: Duration,
     /// When the lifetime ends, if it does.
     lifetime_end: Option<Instant>,
-    /// Packets rewritten at the last timer, both directions (None until the first
-    /// look at the entries, in the first poll).
-    seen: Option<u64>,
-    /// Registered for the slot's signals.
-    registered: bool,
-    /// Set at the end, while the entries linger: how it ended, and the bytes each
-    /// direction carried (final: nothing follows a reset or the second FIN).
-    end: Option<(End, (u64, u64))>,
+    phase: Phase,
+}
+
+/// Where a spliced connection is in its life. One enum rather than a field per phase:
+/// it sizes every spliced connection's task.
+#[derive(Clone, Copy)]
+enum Phase {
+    /// Going on.
+    Live {
+        /// Packets rewritten at the last timer, both directions (None until the first
+        /// look at the entries, in the first poll).
+        seen: Option<u64>,
+        /// Registered for the slot's signals.
+        registered: bool,
+    },
+    /// Ended by itself, the entries lingering: how, and the bytes each direction
+    /// carried (final: nothing follows a reset or the second FIN).
+    Ended { end: End, bytes: (u64, u64) },
     /// The entries are gone and the outcome returned.
-    done: bool,
+    Done,
 }
 
 impl Spliced {
@@ -608,7 +618,6 @@ impl Spliced {
             start,
         } = handed;
         let conn = Conn {
-            seen: None,
             rewriter,
             addrs,
             slot,
@@ -616,9 +625,10 @@ impl Spliced {
             initial_len,
             idle_timeout: limits.idle_timeout,
             lifetime_end: limits.max_lifetime.map(|l| start + l),
-            registered: false,
-            end: None,
-            done: false,
+            phase: Phase::Live {
+                seen: None,
+                registered: false,
+            },
         };
         Spliced {
             timer: tokio::time::sleep_until(conn.deadline(Instant::now()).into()),
@@ -636,8 +646,10 @@ impl Conn {
     }
 
     fn unregister(&mut self) {
-        if std::mem::take(&mut self.registered) {
-            self.rewriter.signals.unregister(self.slot);
+        if let Phase::Live { registered, .. } = &mut self.phase {
+            if std::mem::take(registered) {
+                self.rewriter.signals.unregister(self.slot);
+            }
         }
     }
 
@@ -656,7 +668,7 @@ impl Conn {
         };
         // Silent: the pod learnt of the end from the client, or from its reset.
         let _ = set_repair(self.upstream.as_raw_fd(), 1);
-        self.done = true;
+        self.phase = Phase::Done;
         Outcome {
             downstream_to_upstream: self.initial_len + d2u,
             upstream_to_downstream: u2d,
@@ -671,26 +683,37 @@ impl Future for Spliced {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Outcome> {
         let mut this = self.project();
         let c = this.conn;
-        if c.done {
-            // Polled after its end: nothing more to say.
-            return Poll::Pending;
-        }
         loop {
-            if let Some((end, bytes)) = c.end {
-                ready!(this.timer.as_mut().poll(cx));
-                return Poll::Ready(c.outcome(end, Some(bytes)));
-            }
+            let seen = match c.phase {
+                // Polled after its end: nothing more to say.
+                Phase::Done => return Poll::Pending,
+                Phase::Ended { end, bytes } => {
+                    ready!(this.timer.as_mut().poll(cx));
+                    return Poll::Ready(c.outcome(end, Some(bytes)));
+                }
+                Phase::Live { seen, .. } => seen,
+            };
             c.rewriter.signals.register(c.slot, cx.waker());
-            c.registered = true;
+            c.phase = Phase::Live {
+                seen,
+                registered: true,
+            };
             // After the registration: a signal sent from here on wakes this task.
             let state = c.rewriter.state(&c.addrs.entries());
             if let Some(end) = state.end {
                 c.unregister();
-                c.end = Some((end, state.bytes));
+                c.phase = Phase::Ended {
+                    end,
+                    bytes: state.bytes,
+                };
                 this.timer.as_mut().reset((Instant::now() + LINGER).into());
                 continue;
             }
-            let seen = *c.seen.get_or_insert(state.packets);
+            let seen = seen.unwrap_or(state.packets);
+            c.phase = Phase::Live {
+                seen: Some(seen),
+                registered: true,
+            };
             ready!(this.timer.as_mut().poll(cx));
             let now = Instant::now();
             if c.lifetime_end.is_some_and(|l| now >= l) {
@@ -700,7 +723,10 @@ impl Future for Spliced {
             if state.packets == seen {
                 return Poll::Ready(c.outcome(End::IdleTimeout, None));
             }
-            c.seen = Some(state.packets);
+            c.phase = Phase::Live {
+                seen: Some(state.packets),
+                registered: true,
+            };
             this.timer.as_mut().reset(c.deadline(now).into());
         }
     }
@@ -709,16 +735,15 @@ impl Future for Spliced {
 impl Drop for Conn {
     fn drop(&mut self) {
         self.unregister();
-        if self.done {
-            return;
-        }
         let entries = self.addrs.entries();
-        if self.end.is_some() {
+        match self.phase {
+            Phase::Done => return,
             // Ended by itself; only the linger was cut short.
-            self.rewriter.remove(&entries);
-        } else {
-            debug!(client = %self.addrs.client, "spliced connection ended by the daemon: both ends reset");
-            self.rewriter.abort(&self.addrs, &entries, None);
+            Phase::Ended { .. } => self.rewriter.remove(&entries),
+            Phase::Live { .. } => {
+                debug!(client = %self.addrs.client, "spliced connection ended by the daemon: both ends reset");
+                self.rewriter.abort(&self.addrs, &entries, None);
+            }
         }
         let _ = set_repair(self.upstream.as_raw_fd(), 1);
     }
