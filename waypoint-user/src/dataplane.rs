@@ -25,7 +25,7 @@ mod watch;
 use std::{
     future::Future,
     io,
-    os::fd::AsFd,
+    os::fd::{AsFd, AsRawFd as _},
     pin::{pin, Pin},
     time::{Duration, Instant},
 };
@@ -278,6 +278,33 @@ pub(crate) fn abort_on_close(sock: &impl AsFd) {
 pub(crate) fn read_now(sock: &impl AsFd, buf: &mut [u8]) -> io::Result<usize> {
     use std::io::Read as _;
     (&*socket2::SockRef::from(sock)).read(buf)
+}
+
+/// The socket's `TCP_INFO`. An error if the kernel filled less than the fields up to
+/// `tcpi_bytes_received` (Linux 4.1), which the dataplanes read.
+pub(crate) fn tcp_info(sock: &impl AsFd) -> io::Result<libc::tcp_info> {
+    // SAFETY: tcp_info is plain old data; zeroed is a valid value.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: fd is an open socket owned by `sock`; info and len are valid for writes of
+    // the sizes given.
+    let rc = unsafe {
+        libc::getsockopt(
+            sock.as_fd().as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&raw mut info).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let needed = std::mem::offset_of!(libc::tcp_info, tcpi_bytes_received) + size_of::<u64>();
+    if (len as usize) < needed {
+        return Err(io::Error::new(io::ErrorKind::Unsupported, "short TCP_INFO"));
+    }
+    Ok(info)
 }
 
 /// Shuts the write side of `sock` (sends FIN after everything queued).

@@ -59,7 +59,7 @@ use super::watch::Watch;
 use super::{
     abort_on_close, btf, classify_read_error, classify_write_error,
     copy::{copy, write_all, Copied},
-    drive, read_now, shutdown_write, DirEnd, End, Limits, Outcome,
+    drive, read_now, shutdown_write, tcp_info, DirEnd, End, Limits, Outcome,
 };
 
 /// The eBPF object built by waypoint-user's build script from waypoint-ebpf.
@@ -1568,27 +1568,6 @@ fn set_rcvlowat(sock: &TcpStream) -> io::Result<()> {
 
 /// `TCP_ESTABLISHED` from include/net/tcp_states.h.
 const TCP_ESTABLISHED: u8 = 1;
-
-fn tcp_info(sock: &impl AsFd) -> io::Result<libc::tcp_info> {
-    // SAFETY: tcp_info is plain old data; zeroed is a valid value.
-    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
-    // SAFETY: fd is an open socket owned by `sock`; info and len are valid for writes of
-    // the sizes given.
-    let rc = unsafe {
-        libc::getsockopt(
-            sock.as_fd().as_raw_fd(),
-            libc::IPPROTO_TCP,
-            libc::TCP_INFO,
-            (&raw mut info).cast(),
-            &mut len,
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(info)
-}
 
 fn cookie(sock: &TcpStream) -> io::Result<u64> {
     let mut cookie: u64 = 0;

@@ -36,7 +36,7 @@ use std::{
     future::Future,
     io,
     net::{SocketAddr, SocketAddrV4},
-    os::fd::{AsRawFd, OwnedFd, RawFd},
+    os::fd::{AsFd, AsRawFd, OwnedFd, RawFd},
     pin::Pin,
     sync::{
         atomic::{AtomicU32, AtomicU64, Ordering::Relaxed},
@@ -357,7 +357,7 @@ impl Rewriter {
     ) -> Result<Prepared, Refusal> {
         let addrs = Addrs::of(downstream, upstream).ok_or(Refusal::NotIpv4)?;
         let (a, b) = (downstream.as_raw_fd(), upstream.as_raw_fd());
-        let (Ok(info_a), Ok(info_b)) = (tcp_info(a), tcp_info(b)) else {
+        let (Ok(info_a), Ok(info_b)) = (info(downstream), info(upstream)) else {
             return Err(Refusal::Setup);
         };
         if !info_a.lines_up_with(&info_b) {
@@ -1009,35 +1009,17 @@ impl Info {
     }
 }
 
-fn tcp_info(fd: RawFd) -> io::Result<Info> {
-    let mut buf = [0u8; 136];
-    let mut len = buf.len() as libc::socklen_t;
-    // SAFETY: a valid buffer of `len` bytes and its length; the kernel copies at most that.
-    let r = unsafe {
-        libc::getsockopt(
-            fd,
-            libc::IPPROTO_TCP,
-            libc::TCP_INFO,
-            buf.as_mut_ptr().cast(),
-            &raw mut len,
-        )
-    };
-    if r < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    if (len as usize) < buf.len() {
-        return Err(io::Error::new(io::ErrorKind::Unsupported, "short TCP_INFO"));
-    }
-    let u32_at = |at: usize| u32::from_ne_bytes([buf[at], buf[at + 1], buf[at + 2], buf[at + 3]]);
-    // struct tcp_info: tcpi_options is byte 5, the two 4-bit window scales byte 6,
-    // tcpi_unacked at 24, tcpi_advmss at 84, tcpi_bytes_received at 128 (Linux 4.1).
+/// What the rewrite reads of `sock`'s `TCP_INFO`.
+fn info(sock: &impl AsFd) -> io::Result<Info> {
+    let i = super::tcp_info(sock)?;
     Ok(Info {
-        unacked: u32_at(24),
-        advmss: u32_at(84),
-        bytes_received: u64::from_ne_bytes(buf[128..136].try_into().unwrap_or_default()),
-        options: buf[5],
-        snd_wscale: buf[6] & 0xf,
-        rcv_wscale: buf[6] >> 4,
+        unacked: i.tcpi_unacked,
+        advmss: i.tcpi_advmss,
+        bytes_received: i.tcpi_bytes_received,
+        options: i.tcpi_options,
+        // The two 4-bit fields: the send shift in the low nibble.
+        snd_wscale: i.tcpi_snd_rcv_wscale & 0xf,
+        rcv_wscale: i.tcpi_snd_rcv_wscale >> 4,
     })
 }
 
