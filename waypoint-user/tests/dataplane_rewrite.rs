@@ -211,8 +211,8 @@ async fn half_close_passes_through() {
 }
 
 /// Clients that stream right behind their hello, without waiting for an answer: the
-/// hand-over may read what they sent (and forward it), refuse them (the SockHash takes
-/// them), or find a packet that slipped into the waypoint's socket (both ends reset).
+/// hand-over refuses them when the waypoint's socket holds their bytes (the SockHash
+/// takes them), or finds a packet that slipped into that socket (both ends reset).
 /// Whatever it does, no byte is lost or corrupted silently: the pod gets every byte in
 /// order and then EOF, or one of the two ends sees a reset.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
