@@ -25,6 +25,13 @@ pub const SIGNALS_MAP: &str = "SIGNALS";
 /// Size of [`SIGNALS_MAP`] in bytes (a power of two, whole pages): 16,384 records of 16
 /// bytes (the kernel's 8-byte header and a [`Signal`]).
 pub const SIGNALS_BYTES: u32 = 256 * 1024;
+/// Name of the ring buffer through which the rewrite program reports that a rewritten
+/// connection ended (a [`Signal`] with its slot, at or above [`REWRITE_SLOT_BASE`]). Its
+/// records wake nobody: the daemon reads them at its next look at the rings, within
+/// 100 ms, which an end can wait for (its entries linger seconds anyway). A wake-up per
+/// end would cost an interrupt and a thread's turn on every connection. Sized as
+/// [`SIGNALS_MAP`].
+pub const ENDS_MAP: &str = "ENDS";
 /// Name of the SK_SKB stream verdict program.
 pub const VERDICT_PROG: &str = "waypoint_verdict";
 
@@ -190,7 +197,7 @@ pub const REWRITE_STATS_MAP: &str = "REWRITE_STATS";
 /// they are inserted.
 pub const DEFAULT_MAX_REWRITES: u32 = DEFAULT_MAX_SOCKETS;
 /// Signal slots at and above this value name rewritten connections, below it flow
-/// slots of the SockHash splice (both share [`SIGNALS_MAP`]).
+/// slots of the SockHash splice (each in its own ring: [`ENDS_MAP`], [`SIGNALS_MAP`]).
 pub const REWRITE_SLOT_BASE: u32 = 0x8000_0000;
 
 /// A TCP/IPv4 packet's 4-tuple, every field in network byte order as in the packet.

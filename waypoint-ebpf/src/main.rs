@@ -48,6 +48,11 @@ static FLOWS: Array<Flow> = Array::with_max_entries(DEFAULT_MAX_SOCKETS, BPF_F_M
 #[map]
 static SIGNALS: RingBuf = RingBuf::with_byte_size(SIGNALS_BYTES, 0);
 
+// Tells the daemon which rewritten connections ended, without waking it (see
+// `waypoint_common::ENDS_MAP`).
+#[map]
+static ENDS: RingBuf = RingBuf::with_byte_size(SIGNALS_BYTES, 0);
+
 #[map]
 static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(STAT_COUNT, 0);
 

@@ -17,7 +17,7 @@ use aya_ebpf::{
     bindings::{
         bpf_fib_lookup, BPF_FIB_LKUP_RET_FWD_DISABLED, BPF_FIB_LKUP_RET_NOT_FWDED,
         BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, BPF_F_INGRESS, BPF_F_NO_PREALLOC,
-        BPF_F_PSEUDO_HDR, TC_ACT_OK,
+        BPF_F_PSEUDO_HDR, BPF_RB_NO_WAKEUP, TC_ACT_OK,
     },
     cty::c_void,
     helpers::{
@@ -199,8 +199,8 @@ fn put32(ctx: &TcContext, off: u32, from: u32, to: u32, pseudo: bool) {
 }
 
 fn signal(slot: u32) {
-    if crate::SIGNALS
-        .output::<Signal>(&Signal { slot, _pad: 0 }, 0)
+    if crate::ENDS
+        .output::<Signal>(&Signal { slot, _pad: 0 }, u64::from(BPF_RB_NO_WAKEUP))
         .is_err()
     {
         crate::count(Stat::SignalLost);

@@ -46,9 +46,9 @@ use nix::sys::{
 use tokio::net::TcpStream;
 use tracing::{debug, info, trace, warn};
 use waypoint_common::{
-    Rewrite, RewriteKey, RewriteStat, Stat, FLOWS_MAP, PEERS_MAP, REWRITES_MAP, REWRITE_PROG,
-    REWRITE_STATS_MAP, SIGNALS_MAP, SKB_SEQ_OFFSET, SKB_SK_OFFSET, SLOTS_MAP, STATS_MAP,
-    TCP_COPIED_SEQ_OFFSET, VERDICT_PROG,
+    Rewrite, RewriteKey, RewriteStat, Stat, ENDS_MAP, FLOWS_MAP, PEERS_MAP, REWRITES_MAP,
+    REWRITE_PROG, REWRITE_STATS_MAP, SIGNALS_MAP, SKB_SEQ_OFFSET, SKB_SK_OFFSET, SLOTS_MAP,
+    STATS_MAP, TCP_COPIED_SEQ_OFFSET, VERDICT_PROG,
 };
 
 use super::flows::{self, Budget, FlowCell, FlowRef, FlowTable};
@@ -370,6 +370,7 @@ impl Ebpf {
             // connection in the SockHash.
             .map_max_entries(REWRITES_MAP, config.max_sockets)
             .map_max_entries(SIGNALS_MAP, config.signal_ring_bytes)
+            .map_max_entries(ENDS_MAP, config.signal_ring_bytes)
             .override_global(SKB_SEQ_OFFSET, &o.skb_seq, true)
             .override_global(SKB_SK_OFFSET, &o.skb_sk, true)
             .override_global(TCP_COPIED_SEQ_OFFSET, &o.tcp_copied_seq, true)
@@ -436,11 +437,18 @@ impl Ebpf {
                     .map_err(Error::Rewrite)?;
             }
             info!(?interfaces, "rewrite program attached");
-            Some((map, rstats))
+            let ends: RingBuf<MapData> = take(&mut loaded, ENDS_MAP)?
+                .try_into()
+                .map_err(|e| map_error(ENDS_MAP, e))?;
+            Some((map, rstats, ends))
         } else {
             None
         };
-        let signals = Signals::start(ring, signal_stats)?;
+        let (rewrite, ends) = match rewrite {
+            Some((map, rstats, ends)) => (Some((map, rstats)), Some(ends)),
+            None => (None, None),
+        };
+        let signals = Signals::start(ring, ends, signal_stats)?;
         let rewrite = rewrite.map(|(map, rstats)| {
             Arc::new(Rewriter::new(
                 map,
