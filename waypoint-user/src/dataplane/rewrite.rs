@@ -283,6 +283,7 @@ impl Rewriter {
         let mut undo = Undo {
             rewriter: self,
             addrs,
+            slot,
             b,
             pending: true,
             armed: true,
@@ -308,6 +309,7 @@ impl Rewriter {
                 "a packet reached the waypoint's socket during the rewrite hand-over (a client \
                  that sent before the server answered): both ends reset"
             );
+            self.signals.unregister(slot);
             // The pod holds everything up to the hello and waits for the stranded bytes.
             self.abort(&addrs, &entries, Some(hello_end));
             // Silent, both: the resets are out.
@@ -331,6 +333,7 @@ impl Rewriter {
             Err(e) => {
                 // Taking it out of epoll failed, and closed it: its FIN is out of place
                 // in the spliced conversation.
+                self.signals.unregister(slot);
                 self.abort(&addrs, &entries, None);
                 return Ok(Err(e));
             }
@@ -345,7 +348,10 @@ impl Rewriter {
     }
 
     /// Steps 1 and 2 of the hand-over: the checks, the sequence numbers, the entries.
-    /// On refusal A is out of repair mode again.
+    /// On refusal A is out of repair mode again. The slot is registered for signals
+    /// ([`Signals::expect`]) before the entries go in, so that [`Spliced`] knows whether
+    /// an end came before its first poll without looking at the entries; a connection
+    /// that ends during the hand-over wakes nobody.
     fn prepare(
         &self,
         downstream: &TcpStream,
@@ -419,6 +425,7 @@ impl Rewriter {
             next_seq: seqs.b_rcv,
             ..Rewrite::default()
         };
+        self.signals.expect(slot);
         let mut map = lock(&self.map);
         // The pod's direction first: the client's packets are rewritten from the moment
         // its entry is in, and the pod may answer at once.
@@ -428,6 +435,7 @@ impl Rewriter {
         if let Err(e) = inserted {
             let _ = map.remove(&entries.from_pod);
             drop(map);
+            self.signals.unregister(slot);
             debug!(error = %e, "rewrite hand-over: map insert failed");
             let _ = set_repair(a, TCP_REPAIR_OFF_NO_WP);
             self.pending.fetch_sub(1, Relaxed);
@@ -523,6 +531,7 @@ struct State {
 struct Undo<'a> {
     rewriter: &'a Rewriter,
     addrs: Addrs,
+    slot: u32,
     b: RawFd,
     /// Still counted in `pending`.
     pending: bool,
@@ -538,6 +547,7 @@ impl Drop for Undo<'_> {
             self.rewriter.pending.fetch_sub(1, Relaxed);
         }
         debug!(client = %self.addrs.client, "rewrite hand-over dropped half-way: both ends reset");
+        self.rewriter.signals.unregister(self.slot);
         self.rewriter
             .abort(&self.addrs, &self.addrs.entries(), None);
         // B is still open: its owner drops after this guard.
@@ -591,9 +601,8 @@ struct Conn {
 enum Phase {
     /// Going on.
     Live {
-        /// Packets rewritten at the last timer, both directions (None until the first
-        /// look at the entries, in the first poll).
-        seen: Option<u64>,
+        /// Packets rewritten at the last timer, both directions.
+        seen: u64,
         /// Registered for the slot's signals.
         registered: bool,
     },
@@ -622,9 +631,11 @@ impl Spliced {
             initial_len,
             idle_timeout: limits.idle_timeout,
             lifetime_end: limits.max_lifetime.map(|l| start + l),
+            // Registered by the hand-over, before the entries went in; no packet was
+            // rewritten before them.
             phase: Phase::Live {
-                seen: None,
-                registered: false,
+                seen: 0,
+                registered: true,
             },
         };
         Spliced {
@@ -681,20 +692,26 @@ impl Future for Spliced {
         let mut this = self.project();
         let c = this.conn;
         loop {
-            let seen = match c.phase {
+            let (seen, registered) = match c.phase {
                 // Polled after its end: nothing more to say.
                 Phase::Done => return Poll::Pending,
                 Phase::Ended { end, bytes } => {
                     ready!(this.timer.as_mut().poll(cx));
                     return Poll::Ready(c.outcome(end, Some(bytes)));
                 }
-                Phase::Live { seen, .. } => seen,
+                Phase::Live { seen, registered } => (seen, registered),
             };
-            c.rewriter.signals.register(c.slot, cx.waker());
+            // Still registered since the last look: no signal came, and the entries
+            // need no look (two system calls) unless the timer fired.
+            let quiet = c.rewriter.signals.rearm(c.slot, cx.waker()) && registered;
             c.phase = Phase::Live {
                 seen,
                 registered: true,
             };
+            let timer = this.timer.as_mut().poll(cx).is_ready();
+            if quiet && !timer {
+                return Poll::Pending;
+            }
             // After the registration: a signal sent from here on wakes this task.
             let state = c.rewriter.state(&c.addrs.entries());
             if let Some(end) = state.end {
@@ -706,22 +723,19 @@ impl Future for Spliced {
                 this.timer.as_mut().reset((Instant::now() + LINGER).into());
                 continue;
             }
-            let seen = seen.unwrap_or(state.packets);
-            c.phase = Phase::Live {
-                seen: Some(seen),
-                registered: true,
-            };
-            ready!(this.timer.as_mut().poll(cx));
+            if !timer {
+                return Poll::Pending;
+            }
             let now = Instant::now();
             if c.lifetime_end.is_some_and(|l| now >= l) {
                 return Poll::Ready(c.outcome(End::LifetimeExceeded, None));
             }
-            // `state` is from this poll: the timer fired after it was read.
+            // `state` was read after the timer fired.
             if state.packets == seen {
                 return Poll::Ready(c.outcome(End::IdleTimeout, None));
             }
             c.phase = Phase::Live {
-                seen: Some(state.packets),
+                seen: state.packets,
                 registered: true,
             };
             this.timer.as_mut().reset(c.deadline(now).into());
@@ -1015,16 +1029,26 @@ fn info(sock: &impl AsFd) -> io::Result<Info> {
 /// RCU grace periods for hand-overs, one `membarrier` for every hand-over waiting when it
 /// starts (about 8 ms each here). A thread of its own, as the call blocks.
 struct Grace {
-    /// (requested, started): generations asked for, and the one the running call covers.
-    state: Mutex<u64>,
+    state: Mutex<GraceState>,
     wake: Condvar,
     done: tokio::sync::watch::Sender<u64>,
+}
+
+/// What hand-overs and the grace thread share.
+#[derive(Default)]
+struct GraceState {
+    /// Grace periods asked for so far.
+    requested: u64,
+    /// The thread waits on the condition variable: only then does a request notify it
+    /// (a system call). Busy or pausing between grace periods, the thread looks at
+    /// `requested` before it waits again.
+    waiting: bool,
 }
 
 impl Grace {
     fn start() -> Arc<Grace> {
         let grace = Arc::new(Grace {
-            state: Mutex::new(0),
+            state: Mutex::new(GraceState::default()),
             wake: Condvar::new(),
             done: tokio::sync::watch::Sender::new(0),
         });
@@ -1045,18 +1069,23 @@ impl Grace {
         loop {
             let Some(grace) = weak.upgrade() else { return };
             let target = {
-                let mut requested = lock(&grace.state);
-                while *requested == done {
+                let mut state = lock(&grace.state);
+                while state.requested == done {
+                    state.waiting = true;
                     let (g, timeout) = grace
                         .wake
-                        .wait_timeout(requested, Duration::from_secs(1))
+                        .wait_timeout(state, Duration::from_secs(1))
                         .unwrap_or_else(|p| p.into_inner());
-                    requested = g;
-                    if timeout.timed_out() && *requested == done && Arc::strong_count(&grace) == 1 {
+                    state = g;
+                    state.waiting = false;
+                    if timeout.timed_out()
+                        && state.requested == done
+                        && Arc::strong_count(&grace) == 1
+                    {
                         return;
                     }
                 }
-                *requested
+                state.requested
             };
             let started = Instant::now();
             membarrier();
@@ -1072,12 +1101,14 @@ impl Grace {
 
     /// Returns once a grace period that started after this call has ended.
     async fn wait(&self) {
-        let mine = {
-            let mut requested = lock(&self.state);
-            *requested += 1;
-            *requested
+        let (mine, waiting) = {
+            let mut state = lock(&self.state);
+            state.requested += 1;
+            (state.requested, state.waiting)
         };
-        self.wake.notify_one();
+        if waiting {
+            self.wake.notify_one();
+        }
         let mut rx = self.done.subscribe();
         if tokio::time::timeout(Duration::from_secs(5), rx.wait_for(|d| *d >= mine))
             .await

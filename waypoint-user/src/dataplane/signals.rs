@@ -61,7 +61,8 @@ pub enum Error {
 
 /// The tasks waiting for a signal, by flow slot, and the thread's counters.
 pub(super) struct Signals {
-    waiters: Mutex<HashMap<u32, Waker>>,
+    /// None: registered by [`Signals::expect`], with no task to wake yet.
+    waiters: Mutex<HashMap<u32, Option<Waker>>>,
     /// Set when the dataplane is dropped: the thread exits.
     stop: AtomicBool,
     /// Records read from the ring.
@@ -79,6 +80,11 @@ pub(super) struct Signals {
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Every critical section is one map operation: a panic cannot leave it half-done.
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A signal for `slot`: its registration goes, and the task to wake, if it has one.
+fn take(waiters: &mut HashMap<u32, Option<Waker>>, slot: u32) -> Option<Waker> {
+    waiters.remove(&slot).flatten()
 }
 
 impl Signals {
@@ -184,7 +190,7 @@ impl Signals {
                         let Some(slot) = record.get(..4).and_then(|b| b.try_into().ok()) else {
                             continue;
                         };
-                        wakers.extend(waiters.remove(&u32::from_ne_bytes(slot)));
+                        wakers.extend(take(&mut waiters, u32::from_ne_bytes(slot)));
                     }
                 }
             }
@@ -199,7 +205,7 @@ impl Signals {
             }
             if sweep {
                 self.sweeps.fetch_add(1, Relaxed);
-                wakers.extend(lock(&self.waiters).drain().map(|(_, w)| w));
+                wakers.extend(lock(&self.waiters).drain().filter_map(|(_, w)| w));
             }
             // Outside the lock: a woken task may register again at once.
             wakers.drain(..).for_each(Waker::wake);
@@ -210,12 +216,36 @@ impl Signals {
     /// The caller checks its condition after this call, so that a signal sent between
     /// the check and the registration cannot be missed.
     pub fn register(&self, slot: u32, waker: &Waker) {
+        self.rearm(slot, waker);
+    }
+
+    /// Registers `slot` with no task to wake, so that a later [`Signals::rearm`] tells
+    /// whether a signal came in between: for a slot that can be signalled before its
+    /// task is ready to wait, and that task would only be woken for nothing.
+    pub fn expect(&self, slot: u32) {
+        lock(&self.waiters).insert(slot, None);
+    }
+
+    /// [`Signals::register`], and whether `slot` was still registered: false if a
+    /// signal (or a sweep) took its registration since, or it had none. A task that
+    /// registered (or was [`Signals::expect`]ed) before its slot could be signalled
+    /// reads its state only when this returns false, instead of at every poll.
+    pub fn rearm(&self, slot: u32, waker: &Waker) -> bool {
         let mut waiters = lock(&self.waiters);
         match waiters.get_mut(&slot) {
-            Some(w) if w.will_wake(waker) => {}
-            Some(w) => w.clone_from(waker),
+            Some(Some(w)) => {
+                if !w.will_wake(waker) {
+                    w.clone_from(waker);
+                }
+                true
+            }
+            Some(w) => {
+                *w = Some(waker.clone());
+                true
+            }
             None => {
-                waiters.insert(slot, waker.clone());
+                waiters.insert(slot, Some(waker.clone()));
+                false
             }
         }
     }
@@ -272,5 +302,44 @@ impl<F: Fn() -> bool + Unpin> Future for Wait<'_, F> {
 impl<F> Drop for Wait<'_, F> {
     fn drop(&mut self) {
         self.unregister();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn signals() -> Signals {
+        Signals {
+            waiters: Mutex::new(HashMap::new()),
+            stop: AtomicBool::new(false),
+            received: AtomicU64::new(0),
+            sweeps: AtomicU64::new(0),
+            paused: AtomicBool::new(false),
+            idle: AtomicBool::new(false),
+        }
+    }
+
+    #[test]
+    fn rearm_tells_whether_a_signal_came_since() {
+        let s = signals();
+        let waker = Waker::noop();
+        // Expected before it can be signalled: no signal yet, and none to wake.
+        s.expect(7);
+        assert!(s.rearm(7, waker), "no signal came, yet rearm says one did");
+        assert!(s.rearm(7, waker));
+        assert!(
+            take(&mut lock(&s.waiters), 7).is_some(),
+            "the task is not woken"
+        );
+        assert!(!s.rearm(7, waker), "a signal came, yet rearm says none did");
+        // Signalled while only expected: nobody to wake, and the next rearm knows.
+        s.expect(8);
+        assert!(take(&mut lock(&s.waiters), 8).is_none());
+        assert!(!s.rearm(8, waker));
+        // Never registered: as if signalled.
+        assert!(!s.rearm(9, waker));
+        s.unregister(9);
+        assert_eq!(s.waiting(), 2);
     }
 }
