@@ -280,6 +280,9 @@ pub(crate) fn read_now(sock: &impl AsFd, buf: &mut [u8]) -> io::Result<usize> {
     (&*socket2::SockRef::from(sock)).read(buf)
 }
 
+/// `TCP_ESTABLISHED` from include/net/tcp_states.h (`tcp_info::tcpi_state`).
+pub(crate) const TCP_ESTABLISHED: u8 = 1;
+
 /// The socket's `TCP_INFO`. An error if the kernel filled less than the fields up to
 /// `tcpi_bytes_received` (Linux 4.1), which the dataplanes read.
 pub(crate) fn tcp_info(sock: &impl AsFd) -> io::Result<libc::tcp_info> {

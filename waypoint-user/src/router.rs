@@ -83,6 +83,33 @@ pub(crate) fn listen(addr: SocketAddr, backlog: u32) -> std::io::Result<TcpListe
     socket.listen(backlog)
 }
 
+/// Connects to `addr`. A pod on this node (behind loopback or a veth) completes the
+/// handshake inside the `connect` call, which returns EINPROGRESS all the same; one
+/// TCP_INFO read then spares the wait for writability that tokio's `connect` makes:
+/// another turn of the worker's event loop, and an SO_ERROR read, per connection.
+async fn connect(addr: SocketAddr) -> std::io::Result<TcpStream> {
+    let socket = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::STREAM.nonblocking().cloexec(),
+        None,
+    )?;
+    match socket.connect(&addr.into()) {
+        Ok(()) => {}
+        Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {
+            if dataplane::tcp_info(&socket)?.tcpi_state != dataplane::TCP_ESTABLISHED {
+                let stream = TcpStream::from_std(socket.into())?;
+                stream.writable().await?;
+                if let Some(e) = stream.take_error()? {
+                    return Err(e);
+                }
+                return Ok(stream);
+            }
+        }
+        Err(e) => return Err(e),
+    }
+    TcpStream::from_std(socket.into())
+}
+
 /// Logs a rejection at most once per second per reason, with the number suppressed.
 #[derive(Debug, Default)]
 struct RateLimitedLog {
@@ -466,7 +493,7 @@ impl Router {
                 self.metrics.upstream_retries.inc();
             }
             let addr = SocketAddr::new(ep.pod_ip, cfg.pod_port);
-            match tokio::time::timeout(cfg.connect_timeout, TcpStream::connect(addr)).await {
+            match tokio::time::timeout(cfg.connect_timeout, connect(addr)).await {
                 Ok(Ok(up)) => {
                     debug!(pod = %addr, node = %ep.node_name, "routed");
                     return Ok((up, lease));
@@ -480,5 +507,62 @@ impl Router {
             target: label(),
             last,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+    use super::*;
+
+    #[tokio::test]
+    async fn connect_returns_established_streams_and_errors() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let stream = connect(addr).await.unwrap();
+        let info = dataplane::tcp_info(&stream).unwrap();
+        assert_eq!(info.tcpi_state, dataplane::TCP_ESTABLISHED);
+        assert_eq!(stream.peer_addr().unwrap(), addr);
+        drop(listener);
+        let refused = connect(addr).await.unwrap_err();
+        assert_eq!(refused.kind(), std::io::ErrorKind::ConnectionRefused);
+    }
+
+    /// A handshake that is not done when `connect` returns (here: a listener whose
+    /// accept queue is full drops the SYN) is waited for, not handed on half-open.
+    #[tokio::test]
+    async fn connect_waits_for_a_handshake_still_going() {
+        let socket =
+            socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        socket
+            .bind(&"127.0.0.1:0".parse::<SocketAddr>().unwrap().into())
+            .unwrap();
+        socket.listen(0).unwrap();
+        let addr = socket.local_addr().unwrap().as_socket().unwrap();
+        // Fill the accept queue (backlog 0 holds one) and never accept.
+        let mut held = Vec::new();
+        let mut pending = None;
+        for _ in 0..8 {
+            let attempt = tokio::time::timeout(Duration::from_millis(300), connect(addr)).await;
+            match attempt {
+                Ok(Ok(s)) => held.push(s),
+                Ok(Err(e)) => panic!("connect failed: {e}"),
+                Err(_) => {
+                    pending = Some(());
+                    break;
+                }
+            }
+        }
+        assert!(
+            pending.is_some(),
+            "every connect returned at once ({} held): none waited for its handshake",
+            held.len()
+        );
+        for s in &held {
+            assert_eq!(
+                dataplane::tcp_info(s).unwrap().tcpi_state,
+                dataplane::TCP_ESTABLISHED
+            );
+        }
     }
 }

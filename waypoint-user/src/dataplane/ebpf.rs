@@ -56,6 +56,7 @@ use super::rewrite::{self, Rewriter};
 use super::send_buffer::DrainProbe;
 use super::signals::{self, Signals};
 use super::watch::Watch;
+use super::TCP_ESTABLISHED;
 use super::{
     abort_on_close, btf, classify_read_error, classify_write_error,
     copy::{copy, write_all, Copied},
@@ -1573,9 +1574,6 @@ fn set_rcvlowat(sock: &TcpStream) -> io::Result<()> {
         Err(io::Error::last_os_error())
     }
 }
-
-/// `TCP_ESTABLISHED` from include/net/tcp_states.h.
-const TCP_ESTABLISHED: u8 = 1;
 
 fn cookie(sock: &TcpStream) -> io::Result<u64> {
     let mut cookie: u64 = 0;
