@@ -60,6 +60,7 @@ const MAX_OPTS: u32 = 40;
 const FIN: u8 = 0x01;
 const SYN: u8 = 0x02;
 const RST: u8 = 0x04;
+const ACK: u8 = 0x10;
 
 /// Ethernet, IPv4 without options and TCP, as they lie in the packet.
 #[repr(C, packed)]
@@ -222,6 +223,12 @@ fn rewrite(ctx: &TcContext) -> Option<RewriteKey> {
     // SAFETY: fully written by the successful load above; every bit pattern is valid.
     let h = unsafe { h.assume_init() };
     if h.proto != ETH_P_IP.to_be() || h.ver_ihl != 0x45 || h.protocol != IPPROTO_TCP {
+        return None;
+    }
+    // A SYN-ACK answers the SYN of a new connection, never a packet of a spliced one
+    // (whose 4-tuples the waypoint's sockets hold): no lookup. Each new connection has
+    // two, and a new 4-tuple's lookup is a cold one.
+    if h.flags & (SYN | ACK) == SYN | ACK {
         return None;
     }
     let key = RewriteKey {
