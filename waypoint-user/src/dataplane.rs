@@ -280,6 +280,31 @@ pub(crate) fn read_now(sock: &impl AsFd, buf: &mut [u8]) -> io::Result<usize> {
     (&*socket2::SockRef::from(sock)).read(buf)
 }
 
+/// Writes what `sock` takes now, without waiting, whatever tokio's readiness cache says
+/// (see [`read_now`]): a socket just registered with the reactor is not yet known
+/// writable, and tokio's own write would wait a turn of the event loop for it.
+pub(crate) fn write_now(sock: &impl AsFd, buf: &[u8]) -> io::Result<usize> {
+    use std::io::Write as _;
+    (&*socket2::SockRef::from(sock)).write(buf)
+}
+
+/// Writes all of `buf` to `sock`: what it takes at once with [`write_now`], the rest
+/// through tokio.
+pub(crate) async fn write_all_soon(sock: &mut TcpStream, buf: &[u8]) -> io::Result<()> {
+    use tokio::io::AsyncWriteExt as _;
+    let mut done = 0;
+    while done < buf.len() {
+        match write_now(sock, &buf[done..]) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+            Err(e) => return Err(e),
+        }
+    }
+    sock.write_all(&buf[done..]).await
+}
+
 /// `TCP_ESTABLISHED` from include/net/tcp_states.h (`tcp_info::tcpi_state`).
 pub(crate) const TCP_ESTABLISHED: u8 = 1;
 
@@ -398,5 +423,35 @@ where
         if d2u_done && u2d_done {
             return End::Closed;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+    use super::*;
+    use tokio::io::AsyncReadExt as _;
+
+    /// Far more than the socket takes at once (4 MiB into a 4 KiB send buffer): the
+    /// rest goes through tokio, in order, and all of it arrives.
+    #[tokio::test]
+    async fn write_all_soon_writes_everything_in_order() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut sender = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        socket2::SockRef::from(&sender)
+            .set_send_buffer_size(4096)
+            .unwrap();
+        let (mut receiver, _) = listener.accept().await.unwrap();
+        let data: Vec<u8> = (0..4 << 20).map(|i: u32| (i % 251) as u8).collect();
+        let reader = tokio::spawn(async move {
+            let mut got = Vec::new();
+            receiver.read_to_end(&mut got).await.unwrap();
+            got
+        });
+        write_all_soon(&mut sender, &data).await.unwrap();
+        drop(sender);
+        assert!(reader.await.unwrap() == data, "bytes lost or out of order");
     }
 }

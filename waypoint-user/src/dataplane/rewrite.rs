@@ -47,7 +47,7 @@ use std::{
 };
 
 use aya::maps::{HashMap, MapData, PerCpuArray};
-use tokio::{io::AsyncWriteExt as _, net::TcpStream};
+use tokio::net::TcpStream;
 use tracing::{debug, warn};
 use waypoint_common::{
     Rewrite, RewriteKey, RewriteStat, REWRITE_FIN, REWRITE_RST, REWRITE_SLOT_BASE, REWRITE_WATCH,
@@ -288,7 +288,7 @@ impl Rewriter {
             pending: true,
             armed: true,
         };
-        let sent = upstream.write_all(&initial).await;
+        let sent = super::write_all_soon(&mut upstream, &initial).await;
         let initial_len = initial.len() as u64;
         drop(initial);
         // Step 3: after a grace period, nothing that passed the program before the
