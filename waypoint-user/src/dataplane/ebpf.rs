@@ -1831,6 +1831,87 @@ mod tests {
         }
     }
 
+    /// Ends of rewritten connections that a full ring lost (their ring wakes nobody, so
+    /// only the signal thread's count of losses can tell) still end their connections:
+    /// the thread sees the loss and wakes every waiting one. Without it they would wait
+    /// for their idle timeout (an hour here). Needs root; never skipped.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn lost_ends_of_rewritten_connections_still_end_them() {
+        // SAFETY: geteuid has no preconditions.
+        assert_eq!(unsafe { libc::geteuid() }, 0, "needs root (eBPF)");
+        // More connections than a one-page ring holds records (4096 / 16).
+        const CONNS: usize = 300;
+        let dp = Arc::new(
+            Ebpf::load(Config {
+                splice_after: 0,
+                rewrite_splice: true,
+                signal_ring_bytes: 4096,
+                ..Config::default()
+            })
+            .expect("the eBPF dataplane with the rewrite program loads"),
+        );
+        let limits = Limits {
+            idle_timeout: Duration::from_secs(3600),
+            ..Limits::default()
+        };
+        let mut ends = Vec::new();
+        let mut tasks = Vec::new();
+        for _ in 0..CONNS {
+            let (client, down) = pair().await;
+            let (up, mut server) = pair().await;
+            tasks.push(tokio::spawn(dp.forward(
+                down,
+                up,
+                b"hello".to_vec(),
+                limits,
+            )));
+            let mut hello = [0u8; 5];
+            server.read_exact(&mut hello).await.unwrap();
+            assert_eq!(&hello, b"hello");
+            ends.push((client, server));
+        }
+        tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                let (c, _) = dp.rewrite_counts().unwrap();
+                if c.spliced == CONNS as u64 && c.pending == 0 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .expect("every connection is spliced by rewriting and handed over");
+
+        dp.pause_signals(true);
+        // Both ends close: two FINs each, and the second one's end record.
+        drop(ends);
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while stat(&dp, Stat::SignalLost) == 0 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .expect("the full ring loses ends");
+        dp.pause_signals(false);
+
+        // The linger (3 s) and a look at the ring (at most 100 ms) later.
+        let deadline = Instant::now() + rewrite::LINGER + Duration::from_secs(3);
+        for (i, t) in tasks.into_iter().enumerate() {
+            let outcome = tokio::time::timeout_at(deadline.into(), t)
+                .await
+                .unwrap_or_else(|_| panic!("connection {i} did not end"))
+                .unwrap()
+                .unwrap();
+            assert_eq!(outcome.end, End::Closed, "connection {i}");
+        }
+        let (read, sweeps) = dp.signals();
+        assert!(sweeps >= 1, "the loss was seen");
+        println!(
+            "{} ends lost, {read} read, {sweeps} sweeps",
+            stat(&dp, Stat::SignalLost)
+        );
+    }
+
     /// With every flow slot taken, a new connection is counted as a fallback and
     /// served by the userspace copy, every byte intact. Needs root; never skipped.
     #[tokio::test]
