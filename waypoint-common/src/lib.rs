@@ -26,11 +26,11 @@ pub const SIGNALS_MAP: &str = "SIGNALS";
 /// bytes (the kernel's 8-byte header and a [`Signal`]).
 pub const SIGNALS_BYTES: u32 = 256 * 1024;
 /// Name of the ring buffer through which the rewrite program reports that a rewritten
-/// connection ended (a [`Signal`] with its slot, at or above [`REWRITE_SLOT_BASE`]). Its
+/// connection ended (a [`RewriteEnd`]). Its
 /// records wake nobody: the daemon reads them at its next look at the rings, within
 /// 100 ms, which an end can wait for (its entries linger seconds anyway). A wake-up per
 /// end would cost an interrupt and a thread's turn on every connection. Sized as
-/// [`SIGNALS_MAP`].
+/// [`SIGNALS_MAP`] (records of 32 bytes: 8,192 of them).
 pub const ENDS_MAP: &str = "ENDS";
 /// Name of the SK_SKB stream verdict program.
 pub const VERDICT_PROG: &str = "waypoint_verdict";
@@ -274,6 +274,36 @@ pub const REWRITE_RST: u32 = 8;
 /// [`Rewrite::flags`]: a SYN came with this 4-tuple: the connection is gone (the client
 /// reuses its port). The program removed both entries.
 pub const REWRITE_SYN: u32 = 16;
+/// [`Rewrite::flags`]: set by userspace on the pod's direction, so that the program can
+/// tell the directions apart in a [`RewriteEnd`].
+pub const REWRITE_FROM_POD: u32 = 32;
+
+/// A record of [`ENDS_MAP`]: a rewritten connection's end as the program saw it, so
+/// that the daemon need not look at the entries to learn it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RewriteEnd {
+    /// The connection's slot ([`REWRITE_SLOT_BASE`] and up).
+    pub slot: u32,
+    /// How it ended: [`END_CLOSED`], [`END_CLIENT_RST`], [`END_POD_RST`] or [`END_GONE`].
+    pub how: u32,
+    /// Bytes carried from the client.
+    pub client_bytes: u64,
+    /// Bytes carried from the pod.
+    pub pod_bytes: u64,
+}
+// The daemon parses the ring's records by these offsets (slot, how, client, pod bytes).
+const _: () = assert!(core::mem::size_of::<RewriteEnd>() == 24);
+
+/// [`RewriteEnd::how`]: both sides sent FIN.
+pub const END_CLOSED: u32 = 1;
+/// [`RewriteEnd::how`]: the client sent RST.
+pub const END_CLIENT_RST: u32 = 2;
+/// [`RewriteEnd::how`]: the pod sent RST.
+pub const END_POD_RST: u32 = 3;
+/// [`RewriteEnd::how`]: a SYN came with the client's 4-tuple (it reuses its port); the
+/// program removed both entries. Bytes are not counted.
+pub const END_GONE: u32 = 4;
 
 /// Indexes of the rewrite program's per-CPU statistics.
 #[repr(u32)]

@@ -30,7 +30,8 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use waypoint_common::{
-    Rewrite, RewriteKey, RewriteStat, Signal, Stat, DEFAULT_MAX_REWRITES, REWRITE_FIN, REWRITE_RST,
+    Rewrite, RewriteEnd, RewriteKey, RewriteStat, Stat, DEFAULT_MAX_REWRITES, END_CLIENT_RST,
+    END_CLOSED, END_GONE, END_POD_RST, REWRITE_FIN, REWRITE_FROM_POD, REWRITE_RST,
     REWRITE_STAT_COUNT, REWRITE_TS_LEARNED, REWRITE_WATCH,
 };
 
@@ -199,9 +200,11 @@ fn put32(ctx: &TcContext, off: u32, from: u32, to: u32, pseudo: bool) {
     }
 }
 
-fn signal(slot: u32) {
+/// Reports a connection's end to the daemon, without waking it (see
+/// `waypoint_common::ENDS_MAP`).
+fn signal_end(end: &RewriteEnd) {
     if crate::ENDS
-        .output::<Signal>(&Signal { slot, _pad: 0 }, u64::from(BPF_RB_NO_WAKEUP))
+        .output::<RewriteEnd>(end, u64::from(BPF_RB_NO_WAKEUP))
         .is_err()
     {
         crate::count(Stat::SignalLost);
@@ -256,7 +259,11 @@ fn rewrite(ctx: &TcContext) -> Option<RewriteKey> {
         count(RewriteStat::Syn);
         let _ = REWRITES.remove(&key);
         let _ = REWRITES.remove(&reverse);
-        signal(w.slot);
+        signal_end(&RewriteEnd {
+            slot: w.slot,
+            how: END_GONE,
+            ..RewriteEnd::default()
+        });
         return None;
     }
     let doff = u32::from(h.doff >> 4) * 4;
@@ -330,7 +337,27 @@ fn rewrite(ctx: &TcContext) -> Option<RewriteKey> {
     }
     count(RewriteStat::Rewritten);
     if ended {
-        signal(w.slot);
+        let from_pod = w.flags & REWRITE_FROM_POD != 0;
+        // SAFETY: as for `r`.
+        let back = REWRITES
+            .get_ptr(&reverse)
+            .map_or(0, |b| unsafe { (*b).bytes });
+        let (client_bytes, pod_bytes) = if from_pod {
+            (back, r.bytes)
+        } else {
+            (r.bytes, back)
+        };
+        let how = match (h.flags & RST != 0, from_pod) {
+            (true, true) => END_POD_RST,
+            (true, false) => END_CLIENT_RST,
+            (false, _) => END_CLOSED,
+        };
+        signal_end(&RewriteEnd {
+            slot: w.slot,
+            how,
+            client_bytes,
+            pod_bytes,
+        });
     }
     Some(w.to)
 }

@@ -50,11 +50,12 @@ use aya::maps::{HashMap, MapData, PerCpuArray};
 use tokio::net::TcpStream;
 use tracing::{debug, warn};
 use waypoint_common::{
-    Rewrite, RewriteKey, RewriteStat, REWRITE_FIN, REWRITE_RST, REWRITE_SLOT_BASE, REWRITE_WATCH,
+    Rewrite, RewriteEnd, RewriteKey, RewriteStat, END_CLIENT_RST, END_CLOSED, END_GONE,
+    END_POD_RST, REWRITE_FIN, REWRITE_FROM_POD, REWRITE_RST, REWRITE_SLOT_BASE, REWRITE_WATCH,
 };
 
 use super::ebpf::per_cpu_total;
-use super::signals::Signals;
+use super::signals::{Rearm, Signals};
 use super::{End, Limits, Outcome};
 
 /// How long the entries of an ended connection stay: the last ACK, or a retransmitted
@@ -421,7 +422,7 @@ impl Rewriter {
             ack_add: seqs.a_rcv.wrapping_sub(hello_end),
             watch: hello_end,
             ts_off: ts_a,
-            flags: REWRITE_WATCH,
+            flags: REWRITE_WATCH | REWRITE_FROM_POD,
             next_seq: seqs.b_rcv,
             ..Rewrite::default()
         };
@@ -701,9 +702,19 @@ impl Future for Spliced {
                 }
                 Phase::Live { seen, registered } => (seen, registered),
             };
+            let rearm = c.rewriter.signals.rearm(c.slot, cx.waker());
+            if let Rearm::Ended(e) = rearm {
+                // As the program saw it: no look at the entries. `rearm` unregistered
+                // the slot.
+                if let Some((end, bytes)) = reported(&e) {
+                    c.phase = Phase::Ended { end, bytes };
+                    this.timer.as_mut().reset((Instant::now() + LINGER).into());
+                    continue;
+                }
+            }
             // Still registered since the last look: no signal came, and the entries
             // need no look (two system calls) unless the timer fired.
-            let quiet = c.rewriter.signals.rearm(c.slot, cx.waker()) && registered;
+            let quiet = rearm == Rearm::Quiet && registered;
             c.phase = Phase::Live {
                 seen,
                 registered: true,
@@ -741,6 +752,20 @@ impl Future for Spliced {
             this.timer.as_mut().reset(c.deadline(now).into());
         }
     }
+}
+
+/// How a connection ended and the bytes each direction carried, from the program's
+/// record; None for a record this build does not know (the entries tell then).
+fn reported(e: &RewriteEnd) -> Option<(End, (u64, u64))> {
+    let end = match e.how {
+        END_CLOSED => End::Closed,
+        END_CLIENT_RST => End::DownstreamReset,
+        END_POD_RST => End::UpstreamReset,
+        // As `Rewriter::state` says of entries the program removed.
+        END_GONE => return Some((End::DownstreamReset, (0, 0))),
+        _ => return None,
+    };
+    Some((end, (e.client_bytes, e.pod_bytes)))
 }
 
 impl Drop for Conn {

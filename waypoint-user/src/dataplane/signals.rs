@@ -45,7 +45,7 @@ use std::{
 use aya::maps::{MapData, PerCpuArray, RingBuf};
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use tracing::{debug, warn};
-use waypoint_common::Stat;
+use waypoint_common::{RewriteEnd, Stat};
 
 /// How often the thread checks whether the verdict lost signals (and notices that the
 /// dataplane was dropped).
@@ -61,8 +61,7 @@ pub enum Error {
 
 /// The tasks waiting for a signal, by flow slot, and the thread's counters.
 pub(super) struct Signals {
-    /// None: registered by [`Signals::expect`], with no task to wake yet.
-    waiters: Mutex<HashMap<u32, Option<Waker>>>,
+    waiters: Mutex<HashMap<u32, Waiter>>,
     /// Set when the dataplane is dropped: the thread exits.
     stop: AtomicBool,
     /// Records read from the ring.
@@ -82,9 +81,66 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// A registered slot.
+enum Waiter {
+    /// Registered by [`Signals::expect`], with no task to wake yet.
+    Expected,
+    /// A task to wake at the slot's next signal.
+    Task(Waker),
+    /// A rewritten connection's end came, for its task to collect ([`Rearm::Ended`]).
+    Ended(RewriteEnd),
+}
+
+/// What [`Signals::rearm`] found.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Rearm {
+    /// Registered since the last call: no signal came.
+    Quiet,
+    /// A signal or a sweep took the registration, or there was none: look.
+    Signalled,
+    /// A rewritten connection's end, as the program reported it (the slot is no longer
+    /// registered).
+    Ended(RewriteEnd),
+}
+
 /// A signal for `slot`: its registration goes, and the task to wake, if it has one.
-fn take(waiters: &mut HashMap<u32, Option<Waker>>, slot: u32) -> Option<Waker> {
-    waiters.remove(&slot).flatten()
+fn take(waiters: &mut HashMap<u32, Waiter>, slot: u32) -> Option<Waker> {
+    match waiters.remove(&slot)? {
+        Waiter::Task(w) => Some(w),
+        // Not for a SockHash slot; kept for its task.
+        Waiter::Ended(end) => {
+            waiters.insert(slot, Waiter::Ended(end));
+            None
+        }
+        Waiter::Expected => None,
+    }
+}
+
+/// A rewritten connection's end: kept in its registration for its task, which is woken.
+/// Nothing if the slot is not registered (the connection is gone, or already ended).
+fn ended(waiters: &mut HashMap<u32, Waiter>, end: RewriteEnd) -> Option<Waker> {
+    let waiter = waiters.get_mut(&end.slot)?;
+    match std::mem::replace(waiter, Waiter::Ended(end)) {
+        Waiter::Task(w) => Some(w),
+        Waiter::Expected => None,
+        // The first end counts (a reset after both FINs is not news).
+        first @ Waiter::Ended(_) => {
+            *waiter = first;
+            None
+        }
+    }
+}
+
+/// Parses a record of the ENDS ring.
+fn parse_end(record: &[u8]) -> Option<RewriteEnd> {
+    let u32_at = |i: usize| Some(u32::from_ne_bytes(record.get(i..i + 4)?.try_into().ok()?));
+    let u64_at = |i: usize| Some(u64::from_ne_bytes(record.get(i..i + 8)?.try_into().ok()?));
+    Some(RewriteEnd {
+        slot: u32_at(0)?,
+        how: u32_at(4)?,
+        client_bytes: u64_at(8)?,
+        pod_bytes: u64_at(16)?,
+    })
 }
 
 impl Signals {
@@ -184,13 +240,17 @@ impl Signals {
             }
             {
                 let mut waiters = lock(&self.waiters);
-                for ring in std::iter::once(&mut ring).chain(ends.as_mut()) {
-                    while let Some(record) = ring.next() {
-                        self.received.fetch_add(1, Relaxed);
-                        let Some(slot) = record.get(..4).and_then(|b| b.try_into().ok()) else {
-                            continue;
-                        };
-                        wakers.extend(take(&mut waiters, u32::from_ne_bytes(slot)));
+                while let Some(record) = ring.next() {
+                    self.received.fetch_add(1, Relaxed);
+                    let Some(slot) = record.get(..4).and_then(|b| b.try_into().ok()) else {
+                        continue;
+                    };
+                    wakers.extend(take(&mut waiters, u32::from_ne_bytes(slot)));
+                }
+                while let Some(record) = ends.as_mut().and_then(RingBuf::next) {
+                    self.received.fetch_add(1, Relaxed);
+                    if let Some(end) = parse_end(&record) {
+                        wakers.extend(ended(&mut waiters, end));
                     }
                 }
             }
@@ -205,7 +265,18 @@ impl Signals {
             }
             if sweep {
                 self.sweeps.fetch_add(1, Relaxed);
-                wakers.extend(lock(&self.waiters).drain().filter_map(|(_, w)| w));
+                // Every registration goes but the ends waiting for their tasks.
+                lock(&self.waiters).retain(|_, w| match std::mem::replace(w, Waiter::Expected) {
+                    Waiter::Task(t) => {
+                        wakers.push(t);
+                        false
+                    }
+                    Waiter::Expected => false,
+                    end @ Waiter::Ended(_) => {
+                        *w = end;
+                        true
+                    }
+                });
             }
             // Outside the lock: a woken task may register again at once.
             wakers.drain(..).for_each(Waker::wake);
@@ -223,29 +294,36 @@ impl Signals {
     /// whether a signal came in between: for a slot that can be signalled before its
     /// task is ready to wait, and that task would only be woken for nothing.
     pub fn expect(&self, slot: u32) {
-        lock(&self.waiters).insert(slot, None);
+        lock(&self.waiters).insert(slot, Waiter::Expected);
     }
 
-    /// [`Signals::register`], and whether `slot` was still registered: false if a
-    /// signal (or a sweep) took its registration since, or it had none. A task that
-    /// registered (or was [`Signals::expect`]ed) before its slot could be signalled
-    /// reads its state only when this returns false, instead of at every poll.
-    pub fn rearm(&self, slot: u32, waker: &Waker) -> bool {
+    /// [`Signals::register`], and what came since the last call: nothing
+    /// ([`Rearm::Quiet`]), a signal or a sweep, or no registration at all
+    /// ([`Rearm::Signalled`]), or a rewritten connection's end ([`Rearm::Ended`], the
+    /// slot then left unregistered). A task that registered (or was
+    /// [`Signals::expect`]ed) before its slot could be signalled looks at its state only
+    /// when this says so, instead of at every poll.
+    pub fn rearm(&self, slot: u32, waker: &Waker) -> Rearm {
         let mut waiters = lock(&self.waiters);
         match waiters.get_mut(&slot) {
-            Some(Some(w)) => {
+            Some(Waiter::Task(w)) => {
                 if !w.will_wake(waker) {
                     w.clone_from(waker);
                 }
-                true
+                Rearm::Quiet
             }
-            Some(w) => {
-                *w = Some(waker.clone());
-                true
+            Some(w @ Waiter::Expected) => {
+                *w = Waiter::Task(waker.clone());
+                Rearm::Quiet
+            }
+            Some(Waiter::Ended(end)) => {
+                let end = *end;
+                waiters.remove(&slot);
+                Rearm::Ended(end)
             }
             None => {
-                waiters.insert(slot, Some(waker.clone()));
-                false
+                waiters.insert(slot, Waiter::Task(waker.clone()));
+                Rearm::Signalled
             }
         }
     }
@@ -326,20 +404,55 @@ mod tests {
         let waker = Waker::noop();
         // Expected before it can be signalled: no signal yet, and none to wake.
         s.expect(7);
-        assert!(s.rearm(7, waker), "no signal came, yet rearm says one did");
-        assert!(s.rearm(7, waker));
+        assert_eq!(s.rearm(7, waker), Rearm::Quiet, "no signal came");
+        assert_eq!(s.rearm(7, waker), Rearm::Quiet);
         assert!(
             take(&mut lock(&s.waiters), 7).is_some(),
             "the task is not woken"
         );
-        assert!(!s.rearm(7, waker), "a signal came, yet rearm says none did");
+        assert_eq!(s.rearm(7, waker), Rearm::Signalled, "a signal came");
         // Signalled while only expected: nobody to wake, and the next rearm knows.
         s.expect(8);
         assert!(take(&mut lock(&s.waiters), 8).is_none());
-        assert!(!s.rearm(8, waker));
+        assert_eq!(s.rearm(8, waker), Rearm::Signalled);
         // Never registered: as if signalled.
-        assert!(!s.rearm(9, waker));
+        assert_eq!(s.rearm(9, waker), Rearm::Signalled);
         s.unregister(9);
         assert_eq!(s.waiting(), 2);
+    }
+
+    #[test]
+    fn an_end_is_kept_for_its_task_once() {
+        let s = signals();
+        let waker = Waker::noop();
+        let end = |how| RewriteEnd {
+            slot: 5,
+            how,
+            client_bytes: 10,
+            pod_bytes: 20,
+        };
+        // Not registered: dropped, nothing kept.
+        assert!(ended(&mut lock(&s.waiters), end(1)).is_none());
+        assert_eq!(s.waiting(), 0);
+        // Expected: kept, nobody to wake; the first end counts, not a later one.
+        s.expect(5);
+        assert!(ended(&mut lock(&s.waiters), end(1)).is_none());
+        assert!(ended(&mut lock(&s.waiters), end(3)).is_none());
+        // A SockHash-style signal for the slot leaves it too.
+        assert!(take(&mut lock(&s.waiters), 5).is_none());
+        assert_eq!(s.rearm(5, waker), Rearm::Ended(end(1)));
+        assert_eq!(s.waiting(), 0, "collected once, the slot is unregistered");
+        // Waiting: its task is woken.
+        s.register(5, waker);
+        assert!(ended(&mut lock(&s.waiters), end(2)).is_some());
+        assert_eq!(s.rearm(5, waker), Rearm::Ended(end(2)));
+        // Parsed from a ring record as the program lays it out.
+        let mut record = Vec::new();
+        record.extend(5u32.to_ne_bytes());
+        record.extend(2u32.to_ne_bytes());
+        record.extend(10u64.to_ne_bytes());
+        record.extend(20u64.to_ne_bytes());
+        assert_eq!(parse_end(&record), Some(end(2)));
+        assert_eq!(parse_end(&record[..20]), None);
     }
 }
