@@ -26,11 +26,10 @@ pub const SIGNALS_MAP: &str = "SIGNALS";
 /// bytes (the kernel's 8-byte header and a [`Signal`]).
 pub const SIGNALS_BYTES: u32 = 256 * 1024;
 /// Name of the ring buffer through which the rewrite program reports that a rewritten
-/// connection ended (a [`RewriteEnd`]). Its
-/// records wake nobody: the daemon reads them at its next look at the rings, within
-/// 100 ms, which an end can wait for (its entries linger seconds anyway). A wake-up per
-/// end would cost an interrupt and a thread's turn on every connection. Sized as
-/// [`SIGNALS_MAP`] (records of 32 bytes: 8,192 of them).
+/// connection ended (a [`RewriteEnd`]). Its records wake nobody: the daemon reads them
+/// at its next look at the rings, within 100 ms, which an end can wait for (its entries
+/// linger seconds anyway). A wake-up per end would cost an interrupt and a thread's turn
+/// on every connection. Sized as [`SIGNALS_MAP`] (records of 32 bytes: 8,192 of them).
 pub const ENDS_MAP: &str = "ENDS";
 /// Name of the SK_SKB stream verdict program.
 pub const VERDICT_PROG: &str = "waypoint_verdict";

@@ -26,9 +26,10 @@
 //! 4. A is closed silently (repair mode sends neither FIN nor RST). B stays open,
 //!    holding its 4-tuple, so that no other connection to the pod gets the same one.
 //!
-//! **End:** the program signals the connection at a RST or at the second FIN, through a
-//! ring read within 100 ms rather than at once (see `signals.rs`). The entries stay [`LINGER`] longer for the last ACK and
-//! any retransmitted FIN, then go, and B is closed silently. A connection idle for the
+//! **End:** the program reports the connection's end (how, and the bytes each way) at a
+//! RST or at the second FIN, through a ring read within 100 ms rather than at once (see
+//! `signals.rs`). The entries stay [`LINGER`] longer for the last ACK and any
+//! retransmitted FIN, then go, and B is closed silently. A connection idle for the
 //! idle timeout, or past its lifetime, loses its entries at once, and both ends get a
 //! reset (from a raw socket, at the sequence number each expects next).
 
