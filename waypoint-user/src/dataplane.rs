@@ -198,7 +198,7 @@ impl Dataplane {
     pub fn forward(
         &self,
         downstream: TcpStream,
-        upstream: TcpStream,
+        upstream: Upstream,
         initial: Vec<u8>,
         limits: Limits,
     ) -> impl Future<Output = Result<Outcome, Error>> + Send + 'static {
@@ -212,14 +212,21 @@ impl Dataplane {
             Dataplane::Splice(d) => {
                 let d = d.clone();
                 Either::Right(Either::Left(
-                    Box::pin(async move { d.forward(downstream, upstream, initial, limits).await })
+                    Box::pin(async move {
+                        let upstream = upstream.into_tokio()?;
+                        d.forward(downstream, upstream, initial, limits).await
+                    })
+                    .map_err(Error::from),
+                ))
+            }
+            Dataplane::Copy(d) => {
+                let d = d.clone();
+                Either::Right(Either::Right(
+                    futures::future::ready(upstream.into_tokio())
+                        .and_then(move |upstream| d.forward(downstream, upstream, initial, limits))
                         .map_err(Error::from),
                 ))
             }
-            Dataplane::Copy(d) => Either::Right(Either::Right(
-                d.forward(downstream, upstream, initial, limits)
-                    .map_err(Error::from),
-            )),
         }
     }
 }
@@ -292,6 +299,102 @@ pub(crate) fn write_now(sock: &impl AsFd, buf: &[u8]) -> io::Result<usize> {
 /// through tokio.
 pub(crate) async fn write_all_soon(sock: &mut TcpStream, buf: &[u8]) -> io::Result<()> {
     use tokio::io::AsyncWriteExt as _;
+    let done = write_all_now(sock, buf)?;
+    sock.write_all(&buf[done..]).await
+}
+
+/// The pod's connection as the router hands it over: registered with tokio's reactor
+/// only if connecting had to wait for it. A pod on this node answers inside `connect(2)`,
+/// and the rewrite splice never waits on the socket: registering it and taking it out
+/// again would cost that path two `epoll_ctl` calls and a reactor slot per connection.
+/// The paths that wait on it register it ([`Upstream::into_tokio`]).
+#[derive(Debug)]
+pub enum Upstream {
+    /// Connected, nonblocking, not registered.
+    Ready(std::net::TcpStream),
+    /// Registered with the reactor of the runtime it was created in.
+    Registered(TcpStream),
+}
+
+impl Upstream {
+    /// The socket registered with the current runtime's reactor (which must exist: the
+    /// dataplanes run in the worker's runtime).
+    pub fn into_tokio(self) -> io::Result<TcpStream> {
+        match self {
+            Upstream::Ready(s) => TcpStream::from_std(s),
+            Upstream::Registered(s) => Ok(s),
+        }
+    }
+
+    /// The socket out of the reactor (a registered one is taken out of it).
+    pub fn into_std(self) -> io::Result<std::net::TcpStream> {
+        match self {
+            Upstream::Ready(s) => Ok(s),
+            Upstream::Registered(s) => s.into_std(),
+        }
+    }
+
+    /// Writes all of `buf`: what the socket takes at once, the rest as it drains. An
+    /// unregistered socket is registered only while it has to be waited for, and stays
+    /// the caller's whatever happens (the rewrite hand-over must silence it before it
+    /// closes).
+    pub(crate) async fn write_all_soon(&mut self, buf: &[u8]) -> io::Result<()> {
+        let s = match self {
+            Upstream::Registered(s) => return write_all_soon(s, buf).await,
+            Upstream::Ready(s) => s,
+        };
+        let mut done = write_all_now(s, buf)?;
+        if done == buf.len() {
+            return Ok(());
+        }
+        // SAFETY: the descriptor is borrowed from `s`, which stays open, the same socket,
+        // for as long as `waiter` (dropped within this call) exists.
+        let waiter = unsafe {
+            tokio::io::unix::AsyncFd::register_with_interest(
+                s.as_fd(),
+                tokio::io::Interest::WRITABLE,
+            )
+        }
+        .map_err(|e| e.into_parts().1)?;
+        while done < buf.len() {
+            let mut ready = waiter.writable().await?;
+            match ready.try_io(|_| write_now(s, &buf[done..])) {
+                Ok(Ok(0)) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(Ok(n)) => done += n,
+                Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => {}
+                Ok(Err(e)) => return Err(e),
+                // Not writable after all: wait again.
+                Err(_) => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+impl From<TcpStream> for Upstream {
+    fn from(s: TcpStream) -> Upstream {
+        Upstream::Registered(s)
+    }
+}
+
+impl std::os::fd::AsRawFd for Upstream {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.as_fd().as_raw_fd()
+    }
+}
+
+impl AsFd for Upstream {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        match self {
+            Upstream::Ready(s) => s.as_fd(),
+            Upstream::Registered(s) => s.as_fd(),
+        }
+    }
+}
+
+/// Writes what `sock` takes now of `buf`, retrying interrupted writes; returns how much
+/// went (less than all when the socket would block).
+fn write_all_now(sock: &impl AsFd, buf: &[u8]) -> io::Result<usize> {
     let mut done = 0;
     while done < buf.len() {
         match write_now(sock, &buf[done..]) {
@@ -302,7 +405,7 @@ pub(crate) async fn write_all_soon(sock: &mut TcpStream, buf: &[u8]) -> io::Resu
             Err(e) => return Err(e),
         }
     }
-    sock.write_all(&buf[done..]).await
+    Ok(done)
 }
 
 /// `TCP_ESTABLISHED` from include/net/tcp_states.h (`tcp_info::tcpi_state`).
@@ -453,5 +556,37 @@ mod tests {
         write_all_soon(&mut sender, &data).await.unwrap();
         drop(sender);
         assert!(reader.await.unwrap() == data, "bytes lost or out of order");
+    }
+
+    /// An unregistered pod socket whose send buffer fills: the writer waits for it to
+    /// drain (registering it only for that), loses nothing, and hands the socket back
+    /// still unregistered and usable.
+    #[tokio::test]
+    async fn ready_upstream_writes_everything_and_stays_unregistered() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let sender = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        sender.set_nonblocking(true).unwrap();
+        socket2::SockRef::from(&sender)
+            .set_send_buffer_size(4096)
+            .unwrap();
+        let (mut receiver, _) = listener.accept().await.unwrap();
+        let data: Vec<u8> = (0..4 << 20).map(|i: u32| (i % 251) as u8).collect();
+        let reader = tokio::spawn(async move {
+            let mut got = Vec::new();
+            receiver.read_to_end(&mut got).await.unwrap();
+            got
+        });
+        let mut up = Upstream::Ready(sender);
+        up.write_all_soon(&data).await.unwrap();
+        up.write_all_soon(b"tail").await.unwrap();
+        let Upstream::Ready(sender) = up else {
+            panic!("the socket was left registered");
+        };
+        // Registering it now succeeds only if the writer took it out of the reactor.
+        let sender = TcpStream::from_std(sender).unwrap();
+        drop(sender);
+        let mut want = data;
+        want.extend_from_slice(b"tail");
+        assert!(reader.await.unwrap() == want, "bytes lost or out of order");
     }
 }

@@ -34,7 +34,7 @@ use tokio_util::{
 use tracing::{debug, info, warn, Instrument as _};
 
 use crate::{
-    dataplane::{self, Dataplane, Limits, Outcome},
+    dataplane::{self, Dataplane, Limits, Outcome, Upstream},
     sni,
     store::Store,
 };
@@ -87,7 +87,9 @@ pub(crate) fn listen(addr: SocketAddr, backlog: u32) -> std::io::Result<TcpListe
 /// handshake inside the `connect` call, which returns EINPROGRESS all the same; one
 /// TCP_INFO read then spares the wait for writability that tokio's `connect` makes:
 /// another turn of the worker's event loop, and an SO_ERROR read, per connection.
-async fn connect(addr: SocketAddr) -> std::io::Result<TcpStream> {
+/// The socket is registered with the reactor only if it had to be waited for (see
+/// [`Upstream`]).
+async fn connect(addr: SocketAddr) -> std::io::Result<Upstream> {
     let socket = socket2::Socket::new(
         socket2::Domain::for_address(addr),
         socket2::Type::STREAM.nonblocking().cloexec(),
@@ -102,12 +104,12 @@ async fn connect(addr: SocketAddr) -> std::io::Result<TcpStream> {
                 if let Some(e) = stream.take_error()? {
                     return Err(e);
                 }
-                return Ok(stream);
+                return Ok(Upstream::Registered(stream));
             }
         }
         Err(e) => return Err(e),
     }
-    TcpStream::from_std(socket.into())
+    Ok(Upstream::Ready(socket.into()))
 }
 
 /// Logs a rejection at most once per second per reason, with the number suppressed.
@@ -164,7 +166,7 @@ impl Drop for Slot {
 struct Routed {
     router: Arc<Router>,
     down: TcpStream,
-    up: TcpStream,
+    up: Upstream,
     /// The bytes read so far (the ClientHello).
     initial: Vec<u8>,
     _lease: route::Lease,
@@ -446,7 +448,7 @@ impl Router {
         // Latency matters more than packet count for request/response traffic; the
         // dataplanes write in large chunks anyway.
         // `down` has TCP_NODELAY from its listener (see workers::listen).
-        let _ = up.set_nodelay(true);
+        let _ = socket2::SockRef::from(&up).set_tcp_nodelay(true);
         Some(Routed {
             router: self,
             down,
@@ -462,7 +464,7 @@ impl Router {
         &self,
         down: &mut TcpStream,
         buf: &mut BytesMut,
-    ) -> Result<(TcpStream, route::Lease), Reject> {
+    ) -> Result<(Upstream, route::Lease), Reject> {
         let cfg = &self.config;
         let hello = tokio::time::timeout(
             cfg.hello_timeout,
@@ -522,7 +524,10 @@ mod tests {
         let stream = connect(addr).await.unwrap();
         let info = dataplane::tcp_info(&stream).unwrap();
         assert_eq!(info.tcpi_state, dataplane::TCP_ESTABLISHED);
-        assert_eq!(stream.peer_addr().unwrap(), addr);
+        // Done inside `connect(2)`: not registered with the reactor.
+        assert!(matches!(stream, Upstream::Ready(_)), "{stream:?}");
+        let peer = socket2::SockRef::from(&stream).peer_addr().unwrap();
+        assert_eq!(peer.as_socket(), Some(addr));
         drop(listener);
         let refused = connect(addr).await.unwrap_err();
         assert_eq!(refused.kind(), std::io::ErrorKind::ConnectionRefused);

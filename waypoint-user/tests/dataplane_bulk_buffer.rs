@@ -103,7 +103,12 @@ async fn bulk_direction_gets_a_bigger_send_buffer() {
     let forwarder = dp.clone();
     let forward = tokio::spawn(async move {
         forwarder
-            .forward(downstream, upstream, b"hello".to_vec(), Limits::default())
+            .forward(
+                downstream,
+                upstream.into(),
+                b"hello".to_vec(),
+                Limits::default(),
+            )
             .await
     });
     let mut hello = [0u8; 5];

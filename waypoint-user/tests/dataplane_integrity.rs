@@ -186,7 +186,12 @@ async fn eager_sender_falls_back_intact_ebpf() {
     let forwarder = dp.clone();
     let forward = tokio::spawn(async move {
         forwarder
-            .forward(downstream, upstream, hello.to_vec(), Limits::default())
+            .forward(
+                downstream,
+                upstream.into(),
+                hello.to_vec(),
+                Limits::default(),
+            )
             .await
     });
     let mut got = vec![0u8; HELLO];

@@ -60,7 +60,7 @@ use super::TCP_ESTABLISHED;
 use super::{
     abort_on_close, btf, classify_read_error, classify_write_error,
     copy::{copy, write_all, Copied},
-    drive, read_now, shutdown_write, tcp_info, DirEnd, End, Limits, Outcome,
+    drive, read_now, shutdown_write, tcp_info, DirEnd, End, Limits, Outcome, Upstream,
 };
 
 /// The eBPF object built by waypoint-user's build script from waypoint-ebpf.
@@ -531,20 +531,33 @@ impl Ebpf {
     pub fn forward(
         self: &Arc<Self>,
         downstream: TcpStream,
-        upstream: TcpStream,
+        upstream: Upstream,
         initial: Vec<u8>,
         limits: Limits,
     ) -> impl Future<Output = Result<Outcome, Error>> + Send + 'static {
         if self.rewrite.is_none() {
-            return Either::Left(self.forward_sockmap(downstream, upstream, initial, limits));
+            let dp = Arc::clone(self);
+            return Either::Left(futures::TryFutureExt::and_then(
+                futures::future::ready(upstream.into_tokio().map_err(Error::from)),
+                move |upstream| dp.forward_sockmap(downstream, upstream, initial, limits),
+            ));
         }
         let dp = Arc::clone(self);
         Either::Right(Rewriting::HandOver {
             fut: Box::pin(async move {
-                let Some(rewriter) = dp.rewrite.clone() else {
-                    return HandOver::Sockmap(Box::pin(
+                let sockmap = |downstream, upstream: Upstream, initial| match upstream.into_tokio()
+                {
+                    Ok(upstream) => HandOver::Sockmap(Box::pin(
                         dp.forward_sockmap(downstream, upstream, initial, limits),
-                    ));
+                    )),
+                    Err(e) => HandOver::Ended(Outcome {
+                        downstream_to_upstream: 0,
+                        upstream_to_downstream: 0,
+                        end: End::Error(e.kind()),
+                    }),
+                };
+                let Some(rewriter) = dp.rewrite.clone() else {
+                    return sockmap(downstream, upstream, initial);
                 };
                 match rewriter.hand_over(downstream, upstream, initial).await {
                     Ok(Ok(handed)) => {
@@ -555,12 +568,7 @@ impl Ebpf {
                         upstream_to_downstream: 0,
                         end: End::Error(e.kind()),
                     }),
-                    Err(refused) => HandOver::Sockmap(Box::pin(dp.forward_sockmap(
-                        refused.downstream,
-                        refused.upstream,
-                        refused.initial,
-                        limits,
-                    ))),
+                    Err(refused) => sockmap(refused.downstream, refused.upstream, refused.initial),
                 }
             }),
         })
@@ -1775,7 +1783,12 @@ mod tests {
                 idle_timeout: Duration::from_secs(3600),
                 ..Limits::default()
             };
-            tasks.push(tokio::spawn(dp.forward(down, up, Vec::new(), limits)));
+            tasks.push(tokio::spawn(dp.forward(
+                down,
+                up.into(),
+                Vec::new(),
+                limits,
+            )));
             ends.push((client, server));
         }
         tokio::time::timeout(Duration::from_secs(10), async {
@@ -1861,7 +1874,7 @@ mod tests {
             let (up, mut server) = pair().await;
             tasks.push(tokio::spawn(dp.forward(
                 down,
-                up,
+                up.into(),
                 b"hello".to_vec(),
                 limits,
             )));
@@ -1934,7 +1947,7 @@ mod tests {
 
         let (mut client, down) = pair().await;
         let (up, mut server) = pair().await;
-        let forward = dp.forward(down, up, b"hi".to_vec(), Limits::default());
+        let forward = dp.forward(down, up.into(), b"hi".to_vec(), Limits::default());
         let peers = async {
             client.write_all(b"abc").await.unwrap();
             let mut got = [0u8; 5];

@@ -57,7 +57,7 @@ use waypoint_common::{
 
 use super::ebpf::per_cpu_total;
 use super::signals::{Rearm, Signals};
-use super::{End, Limits, Outcome};
+use super::{End, Limits, Outcome, Upstream};
 
 /// How long the entries of an ended connection stay: the last ACK, or a retransmitted
 /// FIN, must still be rewritten (an RTO is 200 ms at least, doubling).
@@ -130,7 +130,7 @@ pub struct Refused {
     /// The client's connection.
     pub downstream: TcpStream,
     /// The pod's connection.
-    pub upstream: TcpStream,
+    pub upstream: Upstream,
     /// The hello and whatever was read behind it.
     pub initial: Vec<u8>,
 }
@@ -241,7 +241,7 @@ impl Rewriter {
         &self,
         reason: Refusal,
         downstream: TcpStream,
-        upstream: TcpStream,
+        upstream: Upstream,
         initial: Vec<u8>,
     ) -> Refused {
         self.refused[reason as usize].fetch_add(1, Relaxed);
@@ -259,7 +259,7 @@ impl Rewriter {
     pub async fn hand_over(
         &self,
         downstream: TcpStream,
-        upstream: TcpStream,
+        upstream: Upstream,
         initial: Vec<u8>,
     ) -> Result<Result<Handed, io::Error>, Refused> {
         let start = Instant::now();
@@ -290,7 +290,7 @@ impl Rewriter {
             pending: true,
             armed: true,
         };
-        let sent = super::write_all_soon(&mut upstream, &initial).await;
+        let sent = upstream.write_all_soon(&initial).await;
         let initial_len = initial.len() as u64;
         drop(initial);
         // Step 3: after a grace period, nothing that passed the program before the
@@ -357,7 +357,7 @@ impl Rewriter {
     fn prepare(
         &self,
         downstream: &TcpStream,
-        upstream: &TcpStream,
+        upstream: &Upstream,
         initial: &[u8],
     ) -> Result<Prepared, Refusal> {
         let addrs = Addrs::of(downstream, upstream).ok_or(Refusal::NotIpv4)?;
@@ -816,16 +816,20 @@ impl Addrs {
         }
     }
 
-    fn of(downstream: &TcpStream, upstream: &TcpStream) -> Option<Addrs> {
-        let v4 = |a: io::Result<SocketAddr>| match a.ok()? {
+    fn of(downstream: &TcpStream, upstream: &Upstream) -> Option<Addrs> {
+        let v4 = |a: io::Result<socket2::SockAddr>| match a.ok()?.as_socket()? {
             SocketAddr::V4(a) => Some(a),
             SocketAddr::V6(a) => Some(SocketAddrV4::new(a.ip().to_ipv4_mapped()?, a.port())),
         };
+        let (a, b) = (
+            socket2::SockRef::from(downstream),
+            socket2::SockRef::from(upstream),
+        );
         Some(Addrs {
-            client: v4(downstream.peer_addr())?,
-            a_local: v4(downstream.local_addr())?,
-            b_local: v4(upstream.local_addr())?,
-            pod: v4(upstream.peer_addr())?,
+            client: v4(a.peer_addr())?,
+            a_local: v4(a.local_addr())?,
+            b_local: v4(b.local_addr())?,
+            pod: v4(b.peer_addr())?,
         })
     }
 }
@@ -860,7 +864,7 @@ struct Seqs {
 ///
 /// Leaves both sockets with their receive queue selected, so that step 3 reads their
 /// `rcv_nxt` with one call each ([`selected_seq`]).
-fn snapshot(downstream: &TcpStream, upstream: &TcpStream) -> io::Result<Option<Seqs>> {
+fn snapshot(downstream: &TcpStream, upstream: &Upstream) -> io::Result<Option<Seqs>> {
     let (a, b) = (downstream.as_raw_fd(), upstream.as_raw_fd());
     set_repair(a, 1)?;
     // `rcv_nxt` first, the queue after: A keeps receiving in repair mode, and a segment
