@@ -350,7 +350,7 @@ fn start_proxy(
                     let up = tokio::net::TcpStream::connect(target).await?;
                     down.set_nodelay(true)?;
                     up.set_nodelay(true)?;
-                    dp.forward(down, up.into(), hello.to_vec(), limits)
+                    dp.forward(down.into(), up.into(), hello.to_vec(), limits)
                         .await
                         .map_err(io::Error::other)
                 }

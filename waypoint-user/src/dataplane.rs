@@ -197,8 +197,8 @@ impl Dataplane {
     /// (which would keep the arguments it moved into it for the connection's life).
     pub fn forward(
         &self,
-        downstream: TcpStream,
-        upstream: Upstream,
+        downstream: Socket,
+        upstream: Socket,
         initial: Vec<u8>,
         limits: Limits,
     ) -> impl Future<Output = Result<Outcome, Error>> + Send + 'static {
@@ -213,7 +213,7 @@ impl Dataplane {
                 let d = d.clone();
                 Either::Right(Either::Left(
                     Box::pin(async move {
-                        let upstream = upstream.into_tokio()?;
+                        let (downstream, upstream) = Socket::register_both(downstream, upstream)?;
                         d.forward(downstream, upstream, initial, limits).await
                     })
                     .map_err(Error::from),
@@ -222,8 +222,8 @@ impl Dataplane {
             Dataplane::Copy(d) => {
                 let d = d.clone();
                 Either::Right(Either::Right(
-                    futures::future::ready(upstream.into_tokio())
-                        .and_then(move |upstream| d.forward(downstream, upstream, initial, limits))
+                    futures::future::ready(Socket::register_both(downstream, upstream))
+                        .and_then(move |(down, up)| d.forward(down, up, initial, limits))
                         .map_err(Error::from),
                 ))
             }
@@ -303,34 +303,41 @@ pub(crate) async fn write_all_soon(sock: &mut TcpStream, buf: &[u8]) -> io::Resu
     sock.write_all(&buf[done..]).await
 }
 
-/// The pod's connection as the router hands it over: registered with tokio's reactor
-/// only if connecting had to wait for it. A pod on this node answers inside `connect(2)`,
-/// and the rewrite splice never waits on the socket: registering it and taking it out
-/// again would cost that path two `epoll_ctl` calls and a reactor slot per connection.
-/// The paths that wait on it register it ([`Upstream::into_tokio`]).
+/// A connection as the router hands it over: registered with tokio's reactor only if
+/// the router had to wait on it. The client's hello is usually whole when its connection
+/// is accepted (the listener defers the accept until data came), and a pod on this node
+/// answers inside `connect(2)`; the rewrite splice never waits on either socket:
+/// registering them and taking them out again would cost that path four `epoll_ctl`
+/// calls and two reactor slots per connection. The paths that wait on a socket register
+/// it ([`Socket::into_tokio`]).
 #[derive(Debug)]
-pub enum Upstream {
+pub enum Socket {
     /// Connected, nonblocking, not registered.
     Ready(std::net::TcpStream),
     /// Registered with the reactor of the runtime it was created in.
     Registered(TcpStream),
 }
 
-impl Upstream {
+impl Socket {
     /// The socket registered with the current runtime's reactor (which must exist: the
     /// dataplanes run in the worker's runtime).
     pub fn into_tokio(self) -> io::Result<TcpStream> {
         match self {
-            Upstream::Ready(s) => TcpStream::from_std(s),
-            Upstream::Registered(s) => Ok(s),
+            Socket::Ready(s) => TcpStream::from_std(s),
+            Socket::Registered(s) => Ok(s),
         }
+    }
+
+    /// Both sockets registered (see [`Socket::into_tokio`]).
+    pub fn register_both(a: Socket, b: Socket) -> io::Result<(TcpStream, TcpStream)> {
+        Ok((a.into_tokio()?, b.into_tokio()?))
     }
 
     /// The socket out of the reactor (a registered one is taken out of it).
     pub fn into_std(self) -> io::Result<std::net::TcpStream> {
         match self {
-            Upstream::Ready(s) => Ok(s),
-            Upstream::Registered(s) => s.into_std(),
+            Socket::Ready(s) => Ok(s),
+            Socket::Registered(s) => s.into_std(),
         }
     }
 
@@ -340,8 +347,8 @@ impl Upstream {
     /// closes).
     pub(crate) async fn write_all_soon(&mut self, buf: &[u8]) -> io::Result<()> {
         let s = match self {
-            Upstream::Registered(s) => return write_all_soon(s, buf).await,
-            Upstream::Ready(s) => s,
+            Socket::Registered(s) => return write_all_soon(s, buf).await,
+            Socket::Ready(s) => s,
         };
         let mut done = write_all_now(s, buf)?;
         if done == buf.len() {
@@ -371,23 +378,23 @@ impl Upstream {
     }
 }
 
-impl From<TcpStream> for Upstream {
-    fn from(s: TcpStream) -> Upstream {
-        Upstream::Registered(s)
+impl From<TcpStream> for Socket {
+    fn from(s: TcpStream) -> Socket {
+        Socket::Registered(s)
     }
 }
 
-impl std::os::fd::AsRawFd for Upstream {
+impl std::os::fd::AsRawFd for Socket {
     fn as_raw_fd(&self) -> std::os::fd::RawFd {
         self.as_fd().as_raw_fd()
     }
 }
 
-impl AsFd for Upstream {
+impl AsFd for Socket {
     fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
         match self {
-            Upstream::Ready(s) => s.as_fd(),
-            Upstream::Registered(s) => s.as_fd(),
+            Socket::Ready(s) => s.as_fd(),
+            Socket::Registered(s) => s.as_fd(),
         }
     }
 }
@@ -576,10 +583,10 @@ mod tests {
             receiver.read_to_end(&mut got).await.unwrap();
             got
         });
-        let mut up = Upstream::Ready(sender);
+        let mut up = Socket::Ready(sender);
         up.write_all_soon(&data).await.unwrap();
         up.write_all_soon(b"tail").await.unwrap();
-        let Upstream::Ready(sender) = up else {
+        let Socket::Ready(sender) = up else {
             panic!("the socket was left registered");
         };
         // Registering it now succeeds only if the writer took it out of the reactor.

@@ -26,7 +26,10 @@ use std::{
 use bytes::BytesMut;
 use futures::{future::Either, FutureExt as _};
 use prometheus_client::metrics::gauge::Gauge;
-use tokio::net::{TcpListener, TcpSocket, TcpStream};
+use tokio::{
+    io::unix::AsyncFd,
+    net::{TcpListener, TcpSocket, TcpStream},
+};
 use tokio_util::{
     sync::{CancellationToken, WaitForCancellationFutureOwned},
     task::TaskTracker,
@@ -34,7 +37,7 @@ use tokio_util::{
 use tracing::{debug, info, warn, Instrument as _};
 
 use crate::{
-    dataplane::{self, Dataplane, Limits, Outcome, Upstream},
+    dataplane::{self, Dataplane, Limits, Outcome, Socket},
     sni,
     store::Store,
 };
@@ -55,7 +58,7 @@ pub struct Config {
     pub max_hello_bytes: usize,
     /// Deadline for one upstream connect.
     pub connect_timeout: Duration,
-    /// Upstream connect attempts per connection (each to a different pod).
+    /// Socket connect attempts per connection (each to a different pod).
     pub connect_attempts: u32,
     /// Routed plus pending connections beyond which new ones are refused.
     pub max_connections: usize,
@@ -88,8 +91,8 @@ pub(crate) fn listen(addr: SocketAddr, backlog: u32) -> std::io::Result<TcpListe
 /// TCP_INFO read then spares the wait for writability that tokio's `connect` makes:
 /// another turn of the worker's event loop, and an SO_ERROR read, per connection.
 /// The socket is registered with the reactor only if it had to be waited for (see
-/// [`Upstream`]).
-async fn connect(addr: SocketAddr) -> std::io::Result<Upstream> {
+/// [`Socket`]).
+async fn connect(addr: SocketAddr) -> std::io::Result<Socket> {
     let socket = socket2::Socket::new(
         socket2::Domain::for_address(addr),
         socket2::Type::STREAM.nonblocking().cloexec(),
@@ -104,12 +107,33 @@ async fn connect(addr: SocketAddr) -> std::io::Result<Upstream> {
                 if let Some(e) = stream.take_error()? {
                     return Err(e);
                 }
-                return Ok(Upstream::Registered(stream));
+                return Ok(Socket::Registered(stream));
             }
         }
         Err(e) => return Err(e),
     }
-    Ok(Upstream::Ready(socket.into()))
+    Ok(Socket::Ready(socket.into()))
+}
+
+/// Accepts one connection from `listener`: nonblocking and close-on-exec from the
+/// `accept4` call, and not registered with the reactor (see [`Socket`]).
+async fn accept(
+    listener: &AsyncFd<std::net::TcpListener>,
+) -> std::io::Result<(std::net::TcpStream, SocketAddr)> {
+    loop {
+        let mut ready = listener.readable().await?;
+        let accepted = ready.try_io(|l| {
+            socket2::SockRef::from(l.get_ref()).accept4(libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC)
+        });
+        // Err: the queue was empty after all (readiness cleared), wait again.
+        if let Ok(accepted) = accepted {
+            let (socket, peer) = accepted?;
+            let peer = peer.as_socket().ok_or_else(|| {
+                std::io::Error::new(std::io::ErrorKind::InvalidData, "peer is not an IP address")
+            })?;
+            return Ok((socket.into(), peer));
+        }
+    }
 }
 
 /// Logs a rejection at most once per second per reason, with the number suppressed.
@@ -165,8 +189,8 @@ impl Drop for Slot {
 /// A connection that reached a pod, handed from the hello phase to the forwarding phase.
 struct Routed {
     router: Arc<Router>,
-    down: TcpStream,
-    up: Upstream,
+    down: Socket,
+    up: Socket,
     /// The bytes read so far (the ClientHello).
     initial: Vec<u8>,
     _lease: route::Lease,
@@ -343,12 +367,12 @@ impl Router {
     pub async fn serve(
         self: Arc<Self>,
         worker: u32,
-        listener: TcpListener,
+        listener: AsyncFd<std::net::TcpListener>,
         stop: CancellationToken,
         kill: CancellationToken,
         tracker: TaskTracker,
     ) {
-        if let Ok(addr) = listener.local_addr() {
+        if let Ok(addr) = listener.get_ref().local_addr() {
             debug!(%addr, worker, dataplane = self.dataplane.kind().as_str(), "tunnel listener accepting");
         }
         let mut next_id: u64 = 0;
@@ -360,7 +384,7 @@ impl Router {
         loop {
             let (stream, peer) = tokio::select! {
                 _ = stop.cancelled() => break,
-                r = listener.accept() => match r {
+                r = accept(&listener) => match r {
                     Ok(c) => c,
                     Err(e) => {
                         // EMFILE/ENFILE/ENOBUFS: the connection waits in the backlog;
@@ -404,7 +428,7 @@ impl Router {
     /// is boxed and freed once the connection is routed.
     fn handle(
         self: Arc<Self>,
-        down: TcpStream,
+        down: std::net::TcpStream,
         peer: SocketAddr,
         pending: Slot,
         kill: CancellationToken,
@@ -419,7 +443,7 @@ impl Router {
     /// connection was rejected (counted and logged here) or killed.
     async fn admit(
         self: Arc<Self>,
-        mut down: TcpStream,
+        down: std::net::TcpStream,
         peer: SocketAddr,
         pending: Slot,
         kill: CancellationToken,
@@ -427,12 +451,21 @@ impl Router {
         let started = Instant::now();
         let mut buf = BytesMut::with_capacity(2048);
         // The lease counts this pod's connections for balancing until the end.
-        let (up, lease) = match tokio::select! {
-            r = self.route(&mut down, &mut buf) => r,
+        let route = async {
+            let (down, hello) = self.read_hello(down, &mut buf).await?;
+            match self.dial(&hello).await {
+                Ok((up, lease)) => Ok((down, up, lease)),
+                Err(reject) => Err((reject, Some(down))),
+            }
+        };
+        let (down, up, lease) = match tokio::select! {
+            r = route => r,
             _ = kill.cancelled() => return None,
         } {
             Ok(routed) => routed,
-            Err(reject) => {
+            // The client's socket closes only after its rejection is counted: a client
+            // that sees the close may look at the metric at once.
+            Err((reject, _down)) => {
                 let reason = reject.reason();
                 self.metrics.reject(reason);
                 self.log.log(reason, peer, &reject);
@@ -459,19 +492,40 @@ impl Router {
             kill,
         })
     }
-    /// Reads the hello, picks a pod and connects to it.
-    async fn route(
+    /// Reads the hello into `buf`. The client's socket is registered with the reactor
+    /// only if its hello was not whole at once (see [`Socket`]); it comes back with a
+    /// rejection too (unless registering it failed, which closed it).
+    async fn read_hello(
         &self,
-        down: &mut TcpStream,
+        down: std::net::TcpStream,
         buf: &mut BytesMut,
-    ) -> Result<(Upstream, route::Lease), Reject> {
+    ) -> Result<(Socket, sni::Hello), (Reject, Option<Socket>)> {
         let cfg = &self.config;
-        let hello = tokio::time::timeout(
+        match sni::read_client_hello_now(&mut &down, buf, cfg.max_hello_bytes) {
+            Ok(Some(hello)) => return Ok((Socket::Ready(down), hello)),
+            Ok(None) => {}
+            Err(e) => return Err((e.into(), Some(Socket::Ready(down)))),
+        }
+        let mut down = match TcpStream::from_std(down) {
+            Ok(down) => down,
+            Err(e) => return Err((sni::ReadHelloError::from(e).into(), None)),
+        };
+        let read = tokio::time::timeout(
             cfg.hello_timeout,
-            sni::read_client_hello(down, buf, cfg.max_hello_bytes),
+            sni::read_client_hello(&mut down, buf, cfg.max_hello_bytes),
         )
-        .await
-        .map_err(|_| Reject::HelloTimeout(cfg.hello_timeout))??;
+        .await;
+        let down = Socket::Registered(down);
+        match read {
+            Ok(Ok(hello)) => Ok((down, hello)),
+            Ok(Err(e)) => Err((e.into(), Some(down))),
+            Err(_) => Err((Reject::HelloTimeout(cfg.hello_timeout), Some(down))),
+        }
+    }
+
+    /// Picks a pod for the hello's SNI and connects to it.
+    async fn dial(&self, hello: &sni::Hello) -> Result<(Socket, route::Lease), Reject> {
+        let cfg = &self.config;
         let target =
             sni::parse_sni(hello.sni(), &cfg.mesh_domain).map_err(|source| Reject::Sni {
                 sni: hello.sni().to_owned(),
@@ -525,7 +579,7 @@ mod tests {
         let info = dataplane::tcp_info(&stream).unwrap();
         assert_eq!(info.tcpi_state, dataplane::TCP_ESTABLISHED);
         // Done inside `connect(2)`: not registered with the reactor.
-        assert!(matches!(stream, Upstream::Ready(_)), "{stream:?}");
+        assert!(matches!(stream, Socket::Ready(_)), "{stream:?}");
         let peer = socket2::SockRef::from(&stream).peer_addr().unwrap();
         assert_eq!(peer.as_socket(), Some(addr));
         drop(listener);

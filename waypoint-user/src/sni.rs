@@ -572,6 +572,42 @@ impl ReadHelloError {
     }
 }
 
+/// Parses the ClientHello from what a nonblocking `r` holds now, without waiting:
+/// `Ok(None)` when it needs bytes that have not arrived, and the caller then waits with
+/// [`read_client_hello`], which goes on from what this left in `buf`. The tunnel
+/// listener defers accepts until the first bytes are in, so a hello that fits one
+/// segment is usually whole here, and its socket need not be registered with the
+/// reactor at all.
+pub fn read_client_hello_now<R>(
+    r: &mut R,
+    buf: &mut BytesMut,
+    max_len: usize,
+) -> Result<Option<Hello>, ReadHelloError>
+where
+    R: std::io::Read + ?Sized,
+{
+    let mut parser = HelloParser::new(max_len);
+    loop {
+        let at_least = match parser.parse(buf) {
+            Err(HelloError::NeedMore { at_least }) => at_least,
+            result => return Ok(Some(result?)),
+        };
+        buf.reserve(at_least);
+        let start = buf.len();
+        // Zeroed spare room: std's `Read` takes initialised bytes (a couple of KiB).
+        buf.resize(buf.capacity(), 0);
+        let read = r.read(&mut buf[start..]);
+        buf.truncate(start + read.as_ref().map_or(0, |&n| n));
+        match read {
+            Ok(0) => return Err(ReadHelloError::Eof { buffered: start }),
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(None),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
 /// Reads from `r` into `buf` until `buf` starts with a complete ClientHello.
 ///
 /// Bytes already in `buf` are parsed first. `buf` keeps everything read, which can run past
@@ -1232,5 +1268,96 @@ mod tests {
         // Messages are lowercase, like every error in the crate.
         let message = SniError::BadSni { reason: "port 0" }.to_string();
         assert_eq!(message, "bad sni: port 0");
+    }
+
+    /// A reader that hands out its chunks one read at a time, then would block (or,
+    /// with `eof`, ends).
+    struct Chunks {
+        chunks: std::collections::VecDeque<Vec<u8>>,
+        eof: bool,
+    }
+
+    impl std::io::Read for Chunks {
+        fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+            let Some(mut chunk) = self.chunks.pop_front() else {
+                if self.eof {
+                    return Ok(0);
+                }
+                return Err(std::io::ErrorKind::WouldBlock.into());
+            };
+            let n = chunk.len().min(out.len());
+            out[..n].copy_from_slice(&chunk[..n]);
+            if n < chunk.len() {
+                self.chunks.push_front(chunk.split_off(n));
+            }
+            Ok(n)
+        }
+    }
+
+    fn chunks(wire: &[u8], cuts: &[usize], eof: bool) -> Chunks {
+        let mut chunks = std::collections::VecDeque::new();
+        let mut at = 0;
+        for &cut in cuts.iter().chain(std::iter::once(&wire.len())) {
+            chunks.push_back(wire[at..cut].to_vec());
+            at = cut;
+        }
+        Chunks { chunks, eof }
+    }
+
+    /// A hello already whole, in one read or several, parses without waiting; bytes after
+    /// it are kept for the pod.
+    #[test]
+    fn hello_now_parses_what_is_there() {
+        let mut wire = hello_for(b"8080.reviews.bookinfo.mesh.local");
+        let len = wire.len();
+        wire.extend_from_slice(b"early data");
+        for cuts in [vec![], vec![1], vec![5, 6, 40]] {
+            let mut buf = BytesMut::with_capacity(8);
+            let hello = read_client_hello_now(&mut chunks(&wire, &cuts, false), &mut buf, 4096)
+                .unwrap()
+                .expect("whole hello");
+            assert_eq!(hello.sni(), "8080.reviews.bookinfo.mesh.local");
+            assert_eq!(hello.wire_len(), len);
+            assert!(buf.starts_with(&wire[..len]), "cuts {cuts:?}");
+        }
+    }
+
+    /// A hello still on its way: None, with what came kept in `buf`, from which the async
+    /// reader goes on.
+    #[tokio::test]
+    async fn hello_now_leaves_a_partial_hello_to_the_async_reader() {
+        let wire = hello_for(b"8080.reviews.bookinfo.mesh.local");
+        let cut = wire.len() / 2;
+        let mut buf = BytesMut::new();
+        let now = read_client_hello_now(&mut chunks(&wire[..cut], &[3], false), &mut buf, 4096);
+        assert!(matches!(now, Ok(None)), "{now:?}");
+        assert_eq!(&buf[..], &wire[..cut]);
+        let mut rest = &wire[cut..];
+        let hello = read_client_hello(&mut rest, &mut buf, 4096).await.unwrap();
+        assert_eq!(hello.sni(), "8080.reviews.bookinfo.mesh.local");
+        assert_eq!(&buf[..], &wire[..]);
+    }
+
+    /// Refusals come at once: a closed connection, a non-TLS client, a hello over the
+    /// limit.
+    #[test]
+    fn hello_now_refuses_at_once() {
+        let wire = hello_for(b"8080.reviews.bookinfo.mesh.local");
+        let mut buf = BytesMut::new();
+        let closed = read_client_hello_now(&mut chunks(&wire[..10], &[], true), &mut buf, 4096);
+        assert!(
+            matches!(closed, Err(ReadHelloError::Eof { buffered: 10 })),
+            "{closed:?}"
+        );
+        let mut buf = BytesMut::new();
+        let http = read_client_hello_now(
+            &mut chunks(b"GET / HTTP/1.1\r\n", &[], false),
+            &mut buf,
+            4096,
+        );
+        assert!(matches!(http, Err(ReadHelloError::Hello(_))), "{http:?}");
+        let mut buf = BytesMut::new();
+        let big = read_client_hello_now(&mut chunks(&wire, &[], false), &mut buf, 20);
+        assert!(matches!(big, Err(ReadHelloError::Hello(_))), "{big:?}");
     }
 }

@@ -10,7 +10,10 @@
 
 use std::{net::SocketAddr, sync::Arc, thread::JoinHandle};
 
-use tokio::{net::TcpListener, sync::oneshot};
+use tokio::{
+    io::{unix::AsyncFd, Interest},
+    sync::oneshot,
+};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::{info, warn, Instrument as _};
 
@@ -181,7 +184,11 @@ impl Workers {
                 .map_err(start)?;
             let listener = {
                 let _entered = runtime.enter();
-                TcpListener::from_std(std_listener).map_err(start)?
+                // Accepted sockets come out unregistered (see `dataplane::Socket`).
+                // SAFETY: the listener is moved into the AsyncFd, which owns its
+                // descriptor, open and the same, until it is dropped.
+                unsafe { AsyncFd::register_with_interest(std_listener, Interest::READABLE) }
+                    .map_err(|e| start(e.into_parts().1))?
             };
             ready.push((runtime, listener));
         }

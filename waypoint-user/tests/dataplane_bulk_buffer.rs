@@ -104,7 +104,7 @@ async fn bulk_direction_gets_a_bigger_send_buffer() {
     let forward = tokio::spawn(async move {
         forwarder
             .forward(
-                downstream,
+                downstream.into(),
                 upstream.into(),
                 b"hello".to_vec(),
                 Limits::default(),

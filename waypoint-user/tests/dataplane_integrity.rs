@@ -187,7 +187,7 @@ async fn eager_sender_falls_back_intact_ebpf() {
     let forward = tokio::spawn(async move {
         forwarder
             .forward(
-                downstream,
+                downstream.into(),
                 upstream.into(),
                 hello.to_vec(),
                 Limits::default(),

@@ -294,7 +294,10 @@ async fn a_dropped_parked_connection_frees_its_slot() {
     let (mut s, _) = server.accept().await.unwrap();
     let task = tokio::spawn({
         let dp = dp.clone();
-        async move { dp.forward(down, up.into(), b"hi".to_vec(), limits()).await }
+        async move {
+            dp.forward(down.into(), up.into(), b"hi".to_vec(), limits())
+                .await
+        }
     });
     let mut hi = [0u8; 2];
     s.read_exact(&mut hi).await.unwrap();

@@ -504,7 +504,7 @@ async fn dropping_a_spliced_connection_resets_both_ends() {
     let up = TcpStream::connect(back.local_addr().unwrap())
         .await
         .unwrap();
-    let forwarding = tokio::spawn(dp.forward(down, up.into(), initial, Limits::default()));
+    let forwarding = tokio::spawn(dp.forward(down.into(), up.into(), initial, Limits::default()));
     let mut s = server(&back).await;
     let mut ping = [0u8; 4];
     s.read_exact(&mut ping).await.unwrap();

@@ -30,6 +30,18 @@ async fn echo_through(tunnel: std::net::SocketAddr, hello: &[u8], payload: &[u8]
     expect_echo(c, payload, &want).await;
 }
 
+/// As [`echo_through`], with the hello in two writes 50 ms apart: the waypoint finds
+/// it incomplete at the accept and has to wait for the rest.
+async fn echo_through_split_hello(tunnel: std::net::SocketAddr, hello: &[u8], payload: &[u8]) {
+    let mut c = TcpStream::connect(tunnel).await.unwrap();
+    c.write_all(&hello[..100]).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    c.write_all(&hello[100..]).await.unwrap();
+    let mut want = hello.to_vec();
+    want.extend_from_slice(payload);
+    expect_echo(c, payload, &want).await;
+}
+
 /// Connects, sends `hello` and reads the pod's echo of it: a routed connection, open.
 async fn routed(tunnel: std::net::SocketAddr, hello: &[u8]) -> TcpStream {
     let mut c = TcpStream::connect(tunnel).await.unwrap();
@@ -121,10 +133,11 @@ async fn routes_through(dataplane: &str, pod_ip: &str, port: u16) {
     .await;
     let classic = with_server_name(&fixture("openssl.bin"), b"8080.reviews.bookinfo.mesh.local");
     echo_through(app.tunnel_addr, &classic, b"ping").await;
+    echo_through_split_hello(app.tunnel_addr, &classic, &payload[..64 << 10]).await;
     let admin = app.admin_addr;
     let closed = async {
         loop {
-            if sample(admin, "waypoint_connections_closed_total{end=\"closed\"}").await >= 2.0 {
+            if sample(admin, "waypoint_connections_closed_total{end=\"closed\"}").await >= 3.0 {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -132,10 +145,10 @@ async fn routes_through(dataplane: &str, pod_ip: &str, port: u16) {
     };
     tokio::time::timeout(WAIT, closed)
         .await
-        .expect("both connections counted as closed");
+        .expect("the three connections counted as closed");
     assert_eq!(
         sample(admin, "waypoint_connections_opened_total").await,
-        2.0
+        3.0
     );
     let bytes = sample(
         admin,

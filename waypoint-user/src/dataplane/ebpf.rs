@@ -60,7 +60,7 @@ use super::TCP_ESTABLISHED;
 use super::{
     abort_on_close, btf, classify_read_error, classify_write_error,
     copy::{copy, write_all, Copied},
-    drive, read_now, shutdown_write, tcp_info, DirEnd, End, Limits, Outcome, Upstream,
+    drive, read_now, shutdown_write, tcp_info, DirEnd, End, Limits, Outcome, Socket,
 };
 
 /// The eBPF object built by waypoint-user's build script from waypoint-ebpf.
@@ -530,26 +530,29 @@ impl Ebpf {
     /// take (see `rewrite.rs`), else [`Ebpf::forward_sockmap`].
     pub fn forward(
         self: &Arc<Self>,
-        downstream: TcpStream,
-        upstream: Upstream,
+        downstream: Socket,
+        upstream: Socket,
         initial: Vec<u8>,
         limits: Limits,
     ) -> impl Future<Output = Result<Outcome, Error>> + Send + 'static {
         if self.rewrite.is_none() {
             let dp = Arc::clone(self);
             return Either::Left(futures::TryFutureExt::and_then(
-                futures::future::ready(upstream.into_tokio().map_err(Error::from)),
-                move |upstream| dp.forward_sockmap(downstream, upstream, initial, limits),
+                futures::future::ready(
+                    Socket::register_both(downstream, upstream).map_err(Error::from),
+                ),
+                move |(down, up)| dp.forward_sockmap(down, up, initial, limits),
             ));
         }
         let dp = Arc::clone(self);
         Either::Right(Rewriting::HandOver {
             fut: Box::pin(async move {
-                let sockmap = |downstream, upstream: Upstream, initial| match upstream.into_tokio()
-                {
-                    Ok(upstream) => HandOver::Sockmap(Box::pin(
-                        dp.forward_sockmap(downstream, upstream, initial, limits),
-                    )),
+                let sockmap = |downstream, upstream, initial| match Socket::register_both(
+                    downstream, upstream,
+                ) {
+                    Ok((down, up)) => {
+                        HandOver::Sockmap(Box::pin(dp.forward_sockmap(down, up, initial, limits)))
+                    }
                     Err(e) => HandOver::Ended(Outcome {
                         downstream_to_upstream: 0,
                         upstream_to_downstream: 0,
@@ -1784,7 +1787,7 @@ mod tests {
                 ..Limits::default()
             };
             tasks.push(tokio::spawn(dp.forward(
-                down,
+                down.into(),
                 up.into(),
                 Vec::new(),
                 limits,
@@ -1873,7 +1876,7 @@ mod tests {
             let (client, down) = pair().await;
             let (up, mut server) = pair().await;
             tasks.push(tokio::spawn(dp.forward(
-                down,
+                down.into(),
                 up.into(),
                 b"hello".to_vec(),
                 limits,
@@ -1947,7 +1950,7 @@ mod tests {
 
         let (mut client, down) = pair().await;
         let (up, mut server) = pair().await;
-        let forward = dp.forward(down, up.into(), b"hi".to_vec(), Limits::default());
+        let forward = dp.forward(down.into(), up.into(), b"hi".to_vec(), Limits::default());
         let peers = async {
             client.write_all(b"abc").await.unwrap();
             let mut got = [0u8; 5];

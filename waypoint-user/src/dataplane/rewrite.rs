@@ -48,7 +48,6 @@ use std::{
 };
 
 use aya::maps::{HashMap, MapData, PerCpuArray};
-use tokio::net::TcpStream;
 use tracing::{debug, warn};
 use waypoint_common::{
     Rewrite, RewriteEnd, RewriteKey, RewriteStat, END_CLIENT_RST, END_CLOSED, END_GONE,
@@ -57,7 +56,7 @@ use waypoint_common::{
 
 use super::ebpf::per_cpu_total;
 use super::signals::{Rearm, Signals};
-use super::{End, Limits, Outcome, Upstream};
+use super::{End, Limits, Outcome, Socket};
 
 /// How long the entries of an ended connection stay: the last ACK, or a retransmitted
 /// FIN, must still be rewritten (an RTO is 200 ms at least, doubling).
@@ -128,9 +127,9 @@ pub struct Refused {
     /// Why.
     pub reason: Refusal,
     /// The client's connection.
-    pub downstream: TcpStream,
+    pub downstream: Socket,
     /// The pod's connection.
-    pub upstream: Upstream,
+    pub upstream: Socket,
     /// The hello and whatever was read behind it.
     pub initial: Vec<u8>,
 }
@@ -240,8 +239,8 @@ impl Rewriter {
     fn refuse(
         &self,
         reason: Refusal,
-        downstream: TcpStream,
-        upstream: Upstream,
+        downstream: Socket,
+        upstream: Socket,
         initial: Vec<u8>,
     ) -> Refused {
         self.refused[reason as usize].fetch_add(1, Relaxed);
@@ -258,8 +257,8 @@ impl Rewriter {
     /// [`Spliced`]), ended at the hand-over, or handed back untouched.
     pub async fn hand_over(
         &self,
-        downstream: TcpStream,
-        upstream: Upstream,
+        downstream: Socket,
+        upstream: Socket,
         initial: Vec<u8>,
     ) -> Result<Result<Handed, io::Error>, Refused> {
         let start = Instant::now();
@@ -356,8 +355,8 @@ impl Rewriter {
     /// that ends during the hand-over wakes nobody.
     fn prepare(
         &self,
-        downstream: &TcpStream,
-        upstream: &Upstream,
+        downstream: &Socket,
+        upstream: &Socket,
         initial: &[u8],
     ) -> Result<Prepared, Refusal> {
         let addrs = Addrs::of(downstream, upstream).ok_or(Refusal::NotIpv4)?;
@@ -816,7 +815,7 @@ impl Addrs {
         }
     }
 
-    fn of(downstream: &TcpStream, upstream: &Upstream) -> Option<Addrs> {
+    fn of(downstream: &Socket, upstream: &Socket) -> Option<Addrs> {
         let v4 = |a: io::Result<socket2::SockAddr>| match a.ok()?.as_socket()? {
             SocketAddr::V4(a) => Some(a),
             SocketAddr::V6(a) => Some(SocketAddrV4::new(a.ip().to_ipv4_mapped()?, a.port())),
@@ -864,7 +863,7 @@ struct Seqs {
 ///
 /// Leaves both sockets with their receive queue selected, so that step 3 reads their
 /// `rcv_nxt` with one call each ([`selected_seq`]).
-fn snapshot(downstream: &TcpStream, upstream: &Upstream) -> io::Result<Option<Seqs>> {
+fn snapshot(downstream: &Socket, upstream: &Socket) -> io::Result<Option<Seqs>> {
     let (a, b) = (downstream.as_raw_fd(), upstream.as_raw_fd());
     set_repair(a, 1)?;
     // `rcv_nxt` first, the queue after: A keeps receiving in repair mode, and a segment

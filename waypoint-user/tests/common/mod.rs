@@ -145,7 +145,7 @@ async fn proxy_on(
                     gate.acquire().await.unwrap().forget();
                 }
                 let out = dp
-                    .forward(down, up.into(), initial.to_vec(), limits)
+                    .forward(down.into(), up.into(), initial.to_vec(), limits)
                     .await
                     .unwrap_or_else(|e| panic!("{:?} forward failed: {e:?}", dp.kind()));
                 let _ = tx.send(out);
