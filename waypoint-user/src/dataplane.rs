@@ -542,24 +542,35 @@ mod tests {
     use super::*;
     use tokio::io::AsyncReadExt as _;
 
-    /// Far more than the socket takes at once (4 MiB into a 4 KiB send buffer): the
-    /// rest goes through tokio, in order, and all of it arrives.
-    #[tokio::test]
-    async fn write_all_soon_writes_everything_in_order() {
+    /// A nonblocking, unregistered sender with a 4 KiB send buffer, a task that reads all
+    /// its peer receives, and 4 MiB to send: far more than the socket takes at once.
+    async fn small_buffer_sender() -> (
+        std::net::TcpStream,
+        tokio::task::JoinHandle<Vec<u8>>,
+        Vec<u8>,
+    ) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let mut sender = TcpStream::connect(listener.local_addr().unwrap())
-            .await
-            .unwrap();
+        let sender = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        sender.set_nonblocking(true).unwrap();
         socket2::SockRef::from(&sender)
             .set_send_buffer_size(4096)
             .unwrap();
         let (mut receiver, _) = listener.accept().await.unwrap();
-        let data: Vec<u8> = (0..4 << 20).map(|i: u32| (i % 251) as u8).collect();
         let reader = tokio::spawn(async move {
             let mut got = Vec::new();
             receiver.read_to_end(&mut got).await.unwrap();
             got
         });
+        let data: Vec<u8> = (0..4 << 20).map(|i: u32| (i % 251) as u8).collect();
+        (sender, reader, data)
+    }
+
+    /// What the socket does not take at once goes through tokio, in order, and all of it
+    /// arrives.
+    #[tokio::test]
+    async fn write_all_soon_writes_everything_in_order() {
+        let (sender, reader, data) = small_buffer_sender().await;
+        let mut sender = TcpStream::from_std(sender).unwrap();
         write_all_soon(&mut sender, &data).await.unwrap();
         drop(sender);
         assert!(reader.await.unwrap() == data, "bytes lost or out of order");
@@ -570,19 +581,7 @@ mod tests {
     /// still unregistered and usable.
     #[tokio::test]
     async fn ready_upstream_writes_everything_and_stays_unregistered() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let sender = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-        sender.set_nonblocking(true).unwrap();
-        socket2::SockRef::from(&sender)
-            .set_send_buffer_size(4096)
-            .unwrap();
-        let (mut receiver, _) = listener.accept().await.unwrap();
-        let data: Vec<u8> = (0..4 << 20).map(|i: u32| (i % 251) as u8).collect();
-        let reader = tokio::spawn(async move {
-            let mut got = Vec::new();
-            receiver.read_to_end(&mut got).await.unwrap();
-            got
-        });
+        let (sender, reader, data) = small_buffer_sender().await;
         let mut up = Socket::Ready(sender);
         up.write_all_soon(&data).await.unwrap();
         up.write_all_soon(b"tail").await.unwrap();
