@@ -144,6 +144,14 @@ struct RateLimitedLog {
 
 impl RateLimitedLog {
     fn log(&self, reason: &'static str, peer: SocketAddr, detail: &dyn std::fmt::Display) {
+        if let Some(suppressed) = self.due(reason) {
+            warn!(reason, %peer, suppressed, "rejected connection: {detail}");
+        }
+    }
+
+    /// Whether a line for `reason` is due (none in the last second), with how many were
+    /// suppressed since the last one.
+    fn due(&self, reason: &'static str) -> Option<u64> {
         let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
         let now = Instant::now();
         let entry = last
@@ -152,10 +160,10 @@ impl RateLimitedLog {
         if now.duration_since(entry.0) >= Duration::from_secs(1) {
             let suppressed = entry.1;
             *entry = (now, 0);
-            drop(last);
-            warn!(reason, %peer, suppressed, "rejected connection: {detail}");
+            Some(suppressed)
         } else {
             entry.1 += 1;
+            None
         }
     }
 }
@@ -388,9 +396,12 @@ impl Router {
                     Ok(c) => c,
                     Err(e) => {
                         // EMFILE/ENFILE/ENOBUFS: the connection waits in the backlog;
-                        // back off briefly instead of spinning on the error.
+                        // back off briefly instead of spinning on the error. Counted at
+                        // every try, logged once a second.
                         self.metrics.reject("accept_error");
-                        warn!(error = %e, "accept failed");
+                        if let Some(suppressed) = self.log.due("accept_error") {
+                            warn!(error = %e, suppressed, "accept failed; the connection waits in the backlog");
+                        }
                         tokio::time::sleep(Duration::from_millis(10)).await;
                         continue;
                     }

@@ -6,7 +6,10 @@ mod common;
 use std::time::Duration;
 
 use common::{
-    daemon::{echo_pod, endpoint, sample, spawn, start, status, try_start, EndpointsFile},
+    daemon::{
+        echo_pod, endpoint, sample, spawn, spawn_with_fd_limit, start, status, try_start,
+        EndpointsFile,
+    },
     hello::{fixture, with_server_name},
 };
 use rand::{RngCore as _, SeedableRng as _};
@@ -567,6 +570,86 @@ async fn a_failed_start_stops_its_workers() {
     };
     assert!(format!("{e:#}").contains(&admin), "{e:#}");
     until_refused(tunnel).await;
+}
+
+/// The daemon out of file descriptors: connections it cannot take wait in the backlog
+/// (counted as `accept_error`) or, when only the pod's socket is missing, are refused
+/// (`upstream_connect_failed`); none of it panics or hangs, and once descriptors are
+/// free again the waiting clients are served and new ones routed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn out_of_descriptors_waits_or_refuses_then_recovers() {
+    const LIMIT: u64 = 128;
+    let _pod = echo_pod("127.1.6.1", 15008).await;
+    let file = EndpointsFile::new(serde_json::json!([endpoint(
+        "reviews",
+        "127.1.6.1",
+        "n1",
+        true,
+        true
+    )]));
+    let daemon = spawn_with_fd_limit(
+        &file,
+        "127.1.6.254",
+        &["--dataplane", "copy", "--workers", "1"],
+        Some(LIMIT),
+    )
+    .await;
+    let (tunnel, admin) = (daemon.tunnel_addr, daemon.admin_addr);
+    let hello = hello_for("8080.reviews.bookinfo.mesh.local");
+    // Fill the table: every routed connection holds two descriptors.
+    let at_rest = daemon.open_fds() as u64;
+    assert!(at_rest + 8 < LIMIT, "{at_rest} descriptors at rest");
+    let mut held = Vec::new();
+    for _ in 0..(LIMIT - at_rest) / 2 {
+        held.push(routed(tunnel, &hello).await);
+    }
+    // One descriptor left at most: these wait, or are refused for the pod's socket.
+    let mut extra = Vec::new();
+    for _ in 0..3 {
+        let mut c = TcpStream::connect(tunnel).await.unwrap();
+        c.write_all(&hello).await.unwrap();
+        extra.push(c);
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    drop(held);
+    // Each extra client is either served (its hello echoed) or closed without a byte.
+    for mut c in extra {
+        let mut back = vec![0u8; hello.len()];
+        let got = tokio::time::timeout(WAIT, async {
+            let mut n = 0;
+            while n < back.len() {
+                match c.read(&mut back[n..]).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(k) => n += k,
+                }
+            }
+            n
+        })
+        .await
+        .expect("a client waited forever");
+        assert!(
+            got == 0 || (got == hello.len() && back == hello),
+            "{got} bytes back"
+        );
+    }
+    let waited = sample(
+        admin,
+        "waypoint_connections_rejected_total{reason=\"accept_error\"}",
+    )
+    .await;
+    let refused = sample(
+        admin,
+        "waypoint_connections_rejected_total{reason=\"upstream_connect_failed\"}",
+    )
+    .await;
+    assert!(
+        waited + refused >= 1.0,
+        "waited {waited}, refused {refused}"
+    );
+    // Recovered: new connections route.
+    for _ in 0..3 {
+        echo_through(tunnel, &hello, b"after").await;
+    }
 }
 
 /// Soft fd limit up to the hard one: 10,000 client sockets plus the test's own.

@@ -75,7 +75,7 @@ impl Metrics {
         );
         registry.register(
             "connections_rejected",
-            "Connections refused before reaching a pod, by reason",
+            "Connections refused before reaching a pod, by reason; accept_error counts failed accept attempts (out of descriptors: the connection waits in the backlog, tried again every 10 ms)",
             m.rejected.clone(),
         );
         registry.register(

@@ -147,6 +147,15 @@ pub struct Process {
     pub admin_addr: SocketAddr,
 }
 
+impl Process {
+    /// The daemon's open descriptors, from /proc.
+    pub fn open_fds(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.child.id()))
+            .unwrap()
+            .count()
+    }
+}
+
 impl Drop for Process {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -157,9 +166,36 @@ impl Drop for Process {
 /// Starts the binary with the tunnel and admin servers on `ip` (ports 15443 and 15021),
 /// and waits until it is ready.
 pub async fn spawn(file: &EndpointsFile, ip: &str, args: &[&str]) -> Process {
+    spawn_with_fd_limit(file, ip, args, None).await
+}
+
+/// [`spawn`], with RLIMIT_NOFILE (soft and hard) set to `nofile` in the child.
+pub async fn spawn_with_fd_limit(
+    file: &EndpointsFile,
+    ip: &str,
+    args: &[&str],
+    nofile: Option<u64>,
+) -> Process {
+    use std::os::unix::process::CommandExt as _;
     let tunnel_addr: SocketAddr = format!("{ip}:15443").parse().unwrap();
     let admin_addr: SocketAddr = format!("{ip}:15021").parse().unwrap();
-    let child = std::process::Command::new(env!("CARGO_BIN_EXE_waypoint"))
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_waypoint"));
+    if let Some(n) = nofile {
+        // SAFETY: setrlimit is async-signal-safe, and the closure touches nothing else.
+        unsafe {
+            command.pre_exec(move || {
+                let lim = libc::rlimit {
+                    rlim_cur: n,
+                    rlim_max: n,
+                };
+                if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
+    let child = command
         .arg("run")
         .args(["--tunnel-addr", &tunnel_addr.to_string()])
         .args(["--admin-addr", &admin_addr.to_string()])
