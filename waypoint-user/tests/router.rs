@@ -24,6 +24,13 @@ fn hello_for(sni: &str) -> Vec<u8> {
     with_server_name(&fixture("rustls_pq.bin"), sni.as_bytes())
 }
 
+/// A registry of one ready, exported `reviews` pod at `pod_ip` on node n1.
+fn reviews_at(pod_ip: &str) -> EndpointsFile {
+    EndpointsFile::new(serde_json::json!([endpoint(
+        "reviews", pod_ip, "n1", true, true
+    )]))
+}
+
 /// Sends `hello` and `payload` and expects exactly the same bytes echoed back by the pod.
 async fn echo_through(tunnel: std::net::SocketAddr, hello: &[u8], payload: &[u8]) {
     let mut c = TcpStream::connect(tunnel).await.unwrap();
@@ -117,9 +124,7 @@ async fn expect_closed(mut c: TcpStream) {
 
 async fn routes_through(dataplane: &str, pod_ip: &str, port: u16) {
     let _pod = echo_pod(pod_ip, port).await;
-    let file = EndpointsFile::new(serde_json::json!([endpoint(
-        "reviews", pod_ip, "n1", true, true
-    )]));
+    let file = reviews_at(pod_ip);
     let port_s = port.to_string();
     let app = start(&file, &["--dataplane", dataplane, "--pod-port", &port_s]).await;
     assert_eq!(status(app.admin_addr, "/readyz").await, 200);
@@ -333,13 +338,7 @@ async fn bad_input_is_rejected_and_counted() {
 async fn ten_thousand_stalled_hellos() {
     raise_nofile();
     let _pod = echo_pod("127.1.2.1", 15008).await;
-    let file = EndpointsFile::new(serde_json::json!([endpoint(
-        "reviews",
-        "127.1.2.1",
-        "n1",
-        true,
-        true
-    )]));
+    let file = reviews_at("127.1.2.1");
     let daemon = spawn(
         &file,
         "127.1.2.254",
@@ -440,13 +439,7 @@ async fn connect_failure_tries_the_next_pod() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drain_on_shutdown() {
     let _pod = echo_pod("127.1.4.1", 15008).await;
-    let file = EndpointsFile::new(serde_json::json!([endpoint(
-        "reviews",
-        "127.1.4.1",
-        "n1",
-        true,
-        true
-    )]));
+    let file = reviews_at("127.1.4.1");
     let app = start(&file, &["--dataplane", "ebpf", "--drain-timeout", "2s"]).await;
     let (tunnel, admin) = (app.tunnel_addr, app.admin_addr);
     let ready = app.ready.clone();
@@ -479,13 +472,7 @@ async fn drain_on_shutdown() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn workers_share_the_port_and_each_drains() {
     let _pod = echo_pod("127.1.6.1", 15008).await;
-    let file = EndpointsFile::new(serde_json::json!([endpoint(
-        "reviews",
-        "127.1.6.1",
-        "n1",
-        true,
-        true
-    )]));
+    let file = reviews_at("127.1.6.1");
     let app = start(
         &file,
         &[
@@ -579,17 +566,11 @@ async fn a_failed_start_stops_its_workers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn out_of_descriptors_waits_or_refuses_then_recovers() {
     const LIMIT: u64 = 128;
-    let _pod = echo_pod("127.1.6.1", 15008).await;
-    let file = EndpointsFile::new(serde_json::json!([endpoint(
-        "reviews",
-        "127.1.6.1",
-        "n1",
-        true,
-        true
-    )]));
+    let _pod = echo_pod("127.1.8.1", 15008).await;
+    let file = reviews_at("127.1.8.1");
     let daemon = spawn_with_fd_limit(
         &file,
-        "127.1.6.254",
+        "127.1.8.254",
         &["--dataplane", "copy", "--workers", "1"],
         Some(LIMIT),
     )
@@ -676,13 +657,7 @@ fn raise_nofile() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn overlapping_restart_binds_the_same_ports() {
     let _pod = echo_pod("127.1.5.1", 15008).await;
-    let file = EndpointsFile::new(serde_json::json!([endpoint(
-        "reviews",
-        "127.1.5.1",
-        "n1",
-        true,
-        true
-    )]));
+    let file = reviews_at("127.1.5.1");
     let old = start(&file, &["--dataplane", "splice"]).await;
     let tunnel = old.tunnel_addr.to_string();
     let admin = old.admin_addr.to_string();
