@@ -58,7 +58,7 @@ pub struct Config {
     pub max_hello_bytes: usize,
     /// Deadline for one upstream connect.
     pub connect_timeout: Duration,
-    /// Socket connect attempts per connection (each to a different pod).
+    /// Upstream connect attempts per connection (each to a different pod).
     pub connect_attempts: u32,
     /// Routed plus pending connections beyond which new ones are refused.
     pub max_connections: usize,
