@@ -24,6 +24,8 @@ APT_PACKAGES=(
   # Two-cluster e2e and demo: nft for the nodes' pod masquerade (Flannel's ip-masq); curl
   # for exploring the admin endpoints of a kept demo.
   nftables curl
+  # e2e: veths that check checksums in software (the rewrite program's are then checked).
+  ethtool
   # Benchmark peers; the charts' font (cargo xtask bench draws PNGs with it); perf for
   # profiling the dataplanes under load (docs/PERFORMANCE.md).
   nginx libnginx-mod-stream haproxy fonts-dejavu-core linux-perf

@@ -14,7 +14,7 @@ use nix::sched::{setns, CloneFlags};
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// The program could not be started.
-    #[error("starting `{cmd}`: {source} (is it installed? deploy/setup.sh installs iproute2 and nftables)")]
+    #[error("starting `{cmd}`: {source} (is it installed? deploy/setup.sh installs iproute2, nftables and ethtool)")]
     Spawn {
         /// The command line.
         cmd: String,
@@ -104,6 +104,18 @@ pub fn exec(ns: &str, program: &str, args: &[&str]) -> Result<String, Error> {
     let mut all = vec!["netns", "exec", ns, program];
     all.extend_from_slice(args);
     run("ip", &all)
+}
+
+/// Makes the veth end `dev` in `ns` check the TCP and IP checksums of what it receives in
+/// software, as a NIC's receive path does, and, unless `offload_tx`, also complete the
+/// checksums of what it sends. A veth otherwise trusts every checksum it carries, so a
+/// packet whose checksum the rewrite program got wrong would be delivered all the same.
+pub fn software_checksums(ns: &str, dev: &str, offload_tx: bool) -> Result<(), Error> {
+    let mut args = vec!["-K", dev, "rx", "off"];
+    if !offload_tx {
+        args.extend(["tx", "off"]);
+    }
+    exec(ns, "ethtool", &args).map(drop)
 }
 
 /// Runs `f` on a thread that has joined network namespace `ns`, and returns its result.

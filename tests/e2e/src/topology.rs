@@ -262,6 +262,9 @@ impl Layout {
             "eth0",
         ])?;
         netns::ip(&["-n", ns, "link", "set", "eth0", "up"])?;
+        // See `build_pod`: checksums are computed and checked in software between hosts.
+        netns::software_checksums(UNDERLAY, &n.uplink(), false)?;
+        netns::software_checksums(ns, "eth0", false)?;
         netns::exec(ns, "sysctl", &["-qw", "net.ipv4.ip_forward=1"])?;
         netns::ip(&["-n", ns, "link", "add", "cni0", "type", "bridge"])?;
         netns::ip(&[
@@ -336,6 +339,14 @@ fn build_pod(node: &Node, p: &Pod) -> Result<(), Error> {
         "eth0",
     ])?;
     netns::ip(&["-n", ns, "link", "set", "eth0", "up"])?;
+    // Every veth end checks checksums in software, and every end but the pod's own
+    // completes them in software: a pod's packets reach its node's program with the
+    // checksum still to be completed (CHECKSUM_PARTIAL, as a local socket's do), the
+    // next hop completes it, and everything else arrives there complete
+    // (CHECKSUM_NONE). Both ways the rewrite program changes a checksum are thereby
+    // checked by the receiving socket, which drops a packet whose checksum is wrong.
+    netns::software_checksums(node_ns, &p.hostlink(), false)?;
+    netns::software_checksums(ns, "eth0", true)?;
     netns::ip(&[
         "-n",
         ns,
