@@ -16,14 +16,13 @@
 use aya_ebpf::{
     bindings::{
         bpf_fib_lookup, BPF_FIB_LKUP_RET_FWD_DISABLED, BPF_FIB_LKUP_RET_NOT_FWDED,
-        BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, BPF_F_INGRESS, BPF_F_NO_PREALLOC,
-        BPF_F_PSEUDO_HDR, BPF_RB_NO_WAKEUP, TC_ACT_OK,
+        BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, BPF_F_NO_PREALLOC, BPF_F_PSEUDO_HDR,
+        BPF_RB_NO_WAKEUP, TC_ACT_OK,
     },
     cty::c_void,
     helpers::{
         bpf_fib_lookup as fib_lookup_helper, bpf_ktime_get_ns, bpf_l3_csum_replace,
-        bpf_l4_csum_replace, bpf_redirect, bpf_redirect_neigh, bpf_skb_load_bytes,
-        bpf_skb_store_bytes,
+        bpf_l4_csum_replace, bpf_redirect_neigh, bpf_skb_load_bytes, bpf_skb_store_bytes,
     },
     macros::{classifier, map},
     maps::{HashMap, PerCpuArray},
@@ -105,8 +104,9 @@ pub fn waypoint_rewrite(ctx: TcContext) -> i32 {
 }
 
 /// Sends a rewritten packet on its way: out of the interface towards its new
-/// destination, or up the local stack if that is this host. The stack's own forwarding
-/// would drop it: its source is now one of this host's addresses ("martian").
+/// destination, or up the local stack if that is this host and it came in on lo. The
+/// stack's own forwarding would drop it: its source is now one of this host's addresses
+/// ("martian").
 #[inline(always)]
 fn deliver(ctx: &TcContext, to: &RewriteKey) -> i32 {
     // SAFETY: the context's skb, valid for the call.
@@ -142,18 +142,10 @@ fn deliver(ctx: &TcContext, to: &RewriteKey) -> i32 {
         {
             TC_ACT_OK
         }
-        BPF_FIB_LKUP_RET_NOT_FWDED => {
-            // For this host, arrived from outside: in through lo, where a local source
-            // address is at home. lo's address is all zeros, and a frame for another
-            // address would be taken for someone else's.
-            let zero = [0u8; 6];
-            // SAFETY: six bytes from the stack at the start of the frame, which the
-            // helper checks against the packet.
-            unsafe {
-                bpf_skb_store_bytes(ctx.skb.skb, 0, zero.as_ptr().cast(), 6, 0);
-                bpf_redirect(LOOPBACK_IFINDEX, u64::from(BPF_F_INGRESS)) as i32
-            }
-        }
+        // No route; or for this host but arrived on another interface than lo, which the
+        // stack would drop (its source is one of this host's addresses, a martian) and
+        // the program cannot route: the daemon does not splice such connections
+        // (`Refusal::Local`).
         _ => {
             count(RewriteStat::Unroutable);
             TC_ACT_SHOT

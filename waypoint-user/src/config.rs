@@ -261,9 +261,10 @@ pub struct Config {
     pub splice_after: u64,
 
     /// eBPF dataplane (experimental): splice each connection by rewriting its packets'
-    /// headers in a TC program on every interface of the node, so that client and pod
-    /// hold one TCP conversation and the waypoint's sockets carry no byte. Connections
-    /// whose two sides negotiated different TCP options or MSS take the SockHash. Needs
+    /// headers in a TC program on every interface of the node (also those added later),
+    /// so that client and pod hold one TCP conversation and the waypoint's sockets carry
+    /// no byte. Connections whose two sides negotiated different TCP options or MSS, or
+    /// with one end on this node and the other elsewhere, take the SockHash. Needs
     /// CAP_NET_ADMIN (TCP_REPAIR, TC) and CAP_NET_RAW (resets); IPv4.
     #[arg(long, env = "WAYPOINT_REWRITE_SPLICE")]
     pub rewrite_splice: bool,

@@ -15,6 +15,7 @@ mod btf;
 pub mod copy;
 pub mod ebpf;
 mod flows;
+pub mod links;
 mod park;
 pub mod rewrite;
 mod send_buffer;

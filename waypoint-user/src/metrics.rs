@@ -48,6 +48,8 @@ pub struct Metrics {
     rewrite_connections: Family<ResultLabel, Counter>,
     rewrite_packets: Family<ActionLabel, Counter>,
     rewrite_live: Gauge,
+    rewrite_interfaces: Gauge,
+    rewrite_attach_failures: Counter,
     // Last totals read from the rewrite splice, as `ebpf_seen`.
     rewrite_seen: Mutex<Vec<u64>>,
     // Last totals read from the dataplane, to turn them into counter increments: the
@@ -80,12 +82,14 @@ impl Metrics {
         let rewrite_connections = Family::<ResultLabel, Counter>::default();
         let rewrite_packets = Family::<ActionLabel, Counter>::default();
         let rewrite_live = Gauge::default();
+        let rewrite_interfaces = Gauge::default();
+        let rewrite_attach_failures = Counter::default();
         if let Dataplane::Ebpf(e) = &*dataplane {
             if e.rewrite_counts().is_some() {
                 registry.register(
                     "rewrite_connections",
                     "Connections offered to the rewrite splice (--rewrite-splice): spliced; \
-                     refused_* = handed to the SockHash (not_ipv4, options, busy, setup); \
+                     refused_* = handed to the SockHash (not_ipv4, options, busy, setup, local); \
                      stranded = a packet reached the waypoint's socket during the hand-over, \
                      both ends reset",
                     rewrite_connections.clone(),
@@ -100,6 +104,19 @@ impl Metrics {
                     "rewrite_live",
                     "Connections spliced by rewriting now (their map entries are in)",
                     rewrite_live.clone(),
+                );
+                registry.register(
+                    "rewrite_interfaces",
+                    "Network interfaces the rewrite program is attached to (every one of \
+                     the node's, including those added after start)",
+                    rewrite_interfaces.clone(),
+                );
+                registry.register(
+                    "rewrite_attach_failures",
+                    "Interfaces added after start that the rewrite program could not be \
+                     attached to (logged); a pod answering through one is not spliced \
+                     correctly",
+                    rewrite_attach_failures.clone(),
                 );
             }
             registry.register(
@@ -151,6 +168,8 @@ impl Metrics {
             rewrite_connections,
             rewrite_packets,
             rewrite_live,
+            rewrite_interfaces,
+            rewrite_attach_failures,
             rewrite_seen: Mutex::new(Vec::new()),
             parked,
             parks,
@@ -209,6 +228,7 @@ impl Metrics {
                         .get_or_create(&ResultLabel { result });
                     inc_to(&counter, &mut seen, i, total);
                 }
+                let stats_len = stats.len();
                 for (j, (stat, total)) in stats.into_iter().enumerate() {
                     let counter = self.rewrite_packets.get_or_create(&ActionLabel {
                         action: stat.label(),
@@ -217,6 +237,12 @@ impl Metrics {
                 }
                 self.rewrite_live
                     .set(i64::try_from(counts.live).unwrap_or(i64::MAX));
+                if let Some(links) = e.rewrite_links() {
+                    self.rewrite_interfaces
+                        .set(i64::try_from(links.attached).unwrap_or(i64::MAX));
+                    let at = k + stats_len;
+                    inc_to(&self.rewrite_attach_failures, &mut seen, at, links.failed);
+                }
             }
         }
         let p = crate::dataplane::parking();

@@ -11,7 +11,7 @@ use tokio::{
     io::{AsyncReadExt as _, AsyncWriteExt as _},
     net::{TcpListener, TcpStream},
 };
-use waypoint::dataplane::{ebpf, Dataplane, End, Limits};
+use waypoint::dataplane::{ebpf, rewrite::Refusal, Dataplane, End, Limits};
 use waypoint_common::RewriteStat;
 
 const HELLO: usize = 517;
@@ -557,7 +557,7 @@ async fn full_map_refuses_to_the_sockhash_path() {
     assert_eq!(counts.spliced, 1, "{counts:?}");
     assert_eq!(
         counts.refused,
-        [0, 0, 0, 1],
+        [0, 0, 0, 1, 0],
         "refused for lack of room (setup)"
     );
     for (i, (c, s)) in conns.iter_mut().enumerate() {
@@ -642,7 +642,7 @@ async fn pod_that_speaks_first(close_after_banner: bool) {
     }
     let (counts, _) = e.rewrite_counts().unwrap();
     assert_eq!(counts.spliced, 0, "{counts:?}");
-    assert_eq!(counts.refused, [0, 0, 1, 0], "refused as busy");
+    assert_eq!(counts.refused, [0, 0, 1, 0, 0], "refused as busy");
     drop(c);
     drop(s);
     let o = common::next_outcome(&mut proxy, Duration::from_secs(30)).await;
@@ -663,4 +663,241 @@ async fn pod_speaking_first_is_refused_to_the_sockhash_path() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pod_closing_first_is_refused_to_the_sockhash_path() {
     pod_that_speaks_first(true).await;
+}
+
+/// Pods and clients behind veths that appear after the dataplane started (a CNI without
+/// a bridge gives every new pod one): the program is attached to each new interface, the
+/// pod's answers are rewritten to the client instead of landing in the waypoint's
+/// socket, and an attachment is forgotten when its interface goes. Runs in a network
+/// namespace of its own (its thread's, and the runtime's threads', built after the
+/// unshare), so that the interfaces it adds and counts are its own.
+#[test]
+fn pods_on_interfaces_added_after_start_are_spliced() {
+    common::require_root();
+    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).expect("unshare(CLONE_NEWNET)");
+    ip(&["link", "set", "lo", "up"]);
+    // A node forwards (pods need it); without it, the route lookup the program makes for
+    // a packet that came in from a veth stops at "forwarding disabled".
+    let st = std::process::Command::new("sysctl")
+        .args(["-qw", "net.ipv4.ip_forward=1"])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let (dp, e) = load();
+    assert_eq!(
+        e.rewrite_links().unwrap().attached,
+        1,
+        "only lo in a new namespace"
+    );
+    let pod = Peer::new("pod", 232);
+    let remote = Peer::new("cli", 233);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let links = || e.rewrite_links().unwrap();
+        until("the program on both new veths", || links().attached == 3).await;
+        assert_eq!(links().failed, 0);
+        let upstream = pod.serve();
+        let bind = "0.0.0.0:0".parse().unwrap();
+        let mut proxy = common::proxy_at(bind, dp, upstream, HELLO, Limits::default()).await;
+        let port = proxy.addr.port();
+        // From another host: in through one new veth, out through the other.
+        let stream = remote.connect((remote.node_ip(), port).into());
+        let total = echo_through(stream).await;
+        let outcome = common::next_outcome(&mut proxy, Duration::from_secs(30)).await;
+        assert_eq!(outcome.end, End::Closed);
+        assert_eq!(outcome.upstream_to_downstream, total + 1);
+        let (counts, _) = e.rewrite_counts().unwrap();
+        assert_eq!(counts.spliced, 1, "spliced by rewriting");
+        assert_eq!(counts.stranded, 0);
+        assert!(stat(&e, RewriteStat::Rewritten) > 200);
+        assert_eq!(stat(&e, RewriteStat::Unroutable), 0);
+        // From this host, to one of its addresses; and over loopback. The pod's
+        // rewritten packets would come in on its veth with a source of this host's: the
+        // stack drops such martians, so these are not spliced (lo's MTU set to the veths'
+        // so that the MSS check does not refuse them first).
+        ip(&["link", "set", "lo", "mtu", "1500"]);
+        let from_here = [
+            (remote.node_ip(), port),
+            ("127.0.0.1".parse().unwrap(), port),
+        ];
+        for (i, to) in from_here.into_iter().enumerate() {
+            let total = echo_through(std::net::TcpStream::connect(to).unwrap()).await;
+            let outcome = common::next_outcome(&mut proxy, Duration::from_secs(30)).await;
+            assert_eq!(outcome.end, End::Closed);
+            assert_eq!(outcome.upstream_to_downstream, total + 1);
+            let (counts, _) = e.rewrite_counts().unwrap();
+            let local = Refusal::ALL
+                .iter()
+                .position(|r| *r == Refusal::Local)
+                .unwrap();
+            assert_eq!(counts.refused[local], i as u64 + 1, "{counts:?}");
+            assert_eq!(counts.spliced, 1);
+        }
+        drop(pod);
+        until("the gone veth forgotten", || links().attached == 2).await;
+    });
+}
+
+/// Sends the hello through `stream`, checks the answer, then 200 echoes of every size
+/// and a close; returns the echoed bytes. Fails after 30 s.
+async fn echo_through(stream: std::net::TcpStream) -> u64 {
+    stream.set_nonblocking(true).unwrap();
+    let mut c = TcpStream::from_std(stream).unwrap();
+    tokio::time::timeout(Duration::from_secs(30), async move {
+        let hello: Vec<u8> = (0..HELLO).map(|i| i as u8).collect();
+        c.write_all(&hello).await.unwrap();
+        let mut answer = [0u8; 1];
+        c.read_exact(&mut answer).await.unwrap();
+        assert_eq!(answer, [ANSWER]);
+        let mut total = 0u64;
+        for i in 0..200u64 {
+            let len = [1usize, 1_400, 9_000, 65_000][(i % 4) as usize];
+            let mut msg = vec![0u8; len];
+            common::pattern_fill(i, 0, &mut msg);
+            c.write_all(&msg).await.unwrap();
+            let mut back = vec![0u8; len];
+            c.read_exact(&mut back).await.unwrap();
+            assert_eq!(common::pattern_mismatch(i, 0, &back), None, "echo {i}");
+            total += len as u64;
+        }
+        c.shutdown().await.unwrap();
+        let mut rest = Vec::new();
+        c.read_to_end(&mut rest).await.unwrap();
+        total
+    })
+    .await
+    .expect("the hello answered and every echo back within 30 s")
+}
+
+/// Waits up to 10 s for `cond`.
+async fn until(what: &str, cond: impl Fn() -> bool) {
+    let start = std::time::Instant::now();
+    while !cond() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn ip(args: &[&str]) {
+    let st = std::process::Command::new("ip")
+        .args(args)
+        .status()
+        .unwrap();
+    assert!(st.success(), "ip {args:?}: {st}");
+}
+
+/// Another host (a pod, or a client elsewhere) in a namespace of its own, behind a veth
+/// of this thread's namespace, routed without a bridge: 10.`net`.0.2, this side
+/// 10.`net`.0.1. Removed on drop (its veth goes with it).
+struct Peer {
+    ns: String,
+    name: String,
+    net: u8,
+}
+
+impl Peer {
+    fn new(name: &str, net: u8) -> Peer {
+        let ns = format!("wplate-{name}-{}", std::process::id());
+        ip(&["netns", "add", &ns]);
+        let peer = Peer {
+            ns: ns.clone(),
+            name: name.to_owned(),
+            net,
+        };
+        ip(&[
+            "link", "add", name, "type", "veth", "peer", "name", "eth0", "netns", &ns,
+        ]);
+        ip(&["addr", "add", &format!("10.{net}.0.1/30"), "dev", name]);
+        ip(&["link", "set", name, "up"]);
+        ip(&[
+            "-n",
+            &ns,
+            "addr",
+            "add",
+            &format!("10.{net}.0.2/30"),
+            "dev",
+            "eth0",
+        ]);
+        ip(&["-n", &ns, "link", "set", "eth0", "up"]);
+        ip(&["-n", &ns, "link", "set", "lo", "up"]);
+        ip(&[
+            "-n",
+            &ns,
+            "route",
+            "add",
+            "default",
+            "via",
+            &format!("10.{net}.0.1"),
+        ]);
+        peer
+    }
+
+    /// This side's address.
+    fn node_ip(&self) -> std::net::Ipv4Addr {
+        std::net::Ipv4Addr::new(10, self.net, 0, 1)
+    }
+
+    /// Runs `f` on a thread inside the namespace.
+    fn within<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
+        let path = format!("/run/netns/{}", self.ns);
+        std::thread::spawn(move || {
+            let file = std::fs::File::open(path).unwrap();
+            nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+            f()
+        })
+        .join()
+        .unwrap()
+    }
+
+    /// A connection to `to` from inside the namespace.
+    fn connect(&self, to: std::net::SocketAddr) -> std::net::TcpStream {
+        self.within(move || std::net::TcpStream::connect(to).unwrap())
+    }
+
+    /// Starts an echo server inside (a thread per connection): checks the hello,
+    /// answers, then echoes until the client closes. Returns its address.
+    fn serve(&self) -> std::net::SocketAddr {
+        use std::io::{Read as _, Write as _};
+        let ip = std::net::Ipv4Addr::new(10, self.net, 0, 2);
+        let listener = self.within(move || std::net::TcpListener::bind((ip, 0)).unwrap());
+        let addr = listener.local_addr().unwrap();
+        std::thread::spawn(move || {
+            for s in listener.incoming() {
+                let Ok(mut s) = s else { return };
+                std::thread::spawn(move || {
+                    let mut hello = vec![0u8; HELLO];
+                    s.read_exact(&mut hello).unwrap();
+                    assert!(hello.iter().enumerate().all(|(i, b)| *b == i as u8));
+                    s.write_all(&[ANSWER]).unwrap();
+                    let mut buf = vec![0u8; 70_000];
+                    loop {
+                        match s.read(&mut buf) {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => s.write_all(&buf[..n]).unwrap(),
+                        }
+                    }
+                });
+            }
+        });
+        addr
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        // The pair first: a socket still open inside keeps the namespace alive.
+        let _ = std::process::Command::new("ip")
+            .args(["link", "del", &self.name])
+            .status();
+        let _ = std::process::Command::new("ip")
+            .args(["netns", "del", &self.ns])
+            .status();
+    }
 }

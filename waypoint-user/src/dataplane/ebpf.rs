@@ -35,7 +35,7 @@ use std::{
 
 use aya::{
     maps::{HashMap, MapData, PerCpuArray, RingBuf, SockHash},
-    programs::{SchedClassifier, SkSkb, TcAttachType},
+    programs::{SchedClassifier, SkSkb},
     Ebpf as Loaded, EbpfLoader,
 };
 use futures::{future::Either, FutureExt as _};
@@ -52,6 +52,7 @@ use waypoint_common::{
 };
 
 use super::flows::{self, Budget, FlowCell, FlowRef, FlowTable};
+use super::links;
 use super::rewrite::{self, Rewriter};
 use super::send_buffer::DrainProbe;
 use super::signals::{self, Signals};
@@ -198,6 +199,9 @@ pub enum Error {
     /// The rewrite program could not be loaded or attached to an interface.
     #[error("loading or attaching the rewrite program: {0}")]
     Rewrite(aya::programs::ProgramError),
+    /// The rewrite program could not be kept on the interfaces.
+    #[error(transparent)]
+    Links(#[from] links::Error),
     /// The thread that reads the verdict's signals could not be started.
     #[error(transparent)]
     Signals(#[from] signals::Error),
@@ -253,8 +257,11 @@ pub struct Ebpf {
     handovers: AtomicU64,
     /// The rewrite splice, with `rewrite_splice`.
     rewrite: Option<Arc<Rewriter>>,
-    // Owns the program and its attachment to the SockHash.
-    _loaded: Loaded,
+    /// The rewrite program's attachments to the interfaces, with `rewrite_splice`.
+    links: Option<links::Links>,
+    // Owns the programs and their attachments (shared with the thread of `links`, which
+    // holds it only while it attaches).
+    _loaded: Arc<Mutex<Loaded>>,
 }
 
 type SockmapForward = Pin<Box<dyn Future<Output = Result<Outcome, Error>> + Send>>;
@@ -428,22 +435,19 @@ impl Ebpf {
                 .ok_or_else(|| map_error("program", "rewrite classifier missing from the object"))?
                 .try_into()?;
             prog.load().map_err(Error::Rewrite)?;
-            // Every interface present now: the client's packets arrive on the uplink, the
-            // pod's on its veth or the bridge. One that appears later is not covered; a
-            // pod answering through it is caught by the hand-over's check (see
-            // `rewrite.rs`, step 3).
-            let interfaces = rewrite::interfaces()?;
-            for name in &interfaces {
-                prog.attach(name, TcAttachType::Ingress)
-                    .map_err(Error::Rewrite)?;
-            }
-            info!(?interfaces, "rewrite program attached");
             let ends: RingBuf<MapData> = take(&mut loaded, ENDS_MAP)?
                 .try_into()
                 .map_err(|e| map_error(ENDS_MAP, e))?;
             Some((map, rstats, ends))
         } else {
             None
+        };
+        let loaded = Arc::new(Mutex::new(loaded));
+        // Every interface, also the ones that appear later: the client's packets arrive
+        // on the uplink, the pod's on its veth or the bridge (see `links.rs`).
+        let links = match rewrite {
+            Some(_) => Some(links::Links::start(&loaded, REWRITE_PROG)?),
+            None => None,
         };
         let (rewrite, ends) = match rewrite {
             Some((map, rstats, ends)) => (Some((map, rstats)), Some(ends)),
@@ -478,6 +482,7 @@ impl Ebpf {
             fallbacks: AtomicU64::new(0),
             handovers: AtomicU64::new(0),
             rewrite,
+            links,
             _loaded: loaded,
         })
     }
@@ -519,6 +524,12 @@ impl Ebpf {
     /// [`RewriteStat::ALL`] order); None without `rewrite_splice`.
     pub fn rewrite_counts(&self) -> Option<(rewrite::Counts, Vec<(RewriteStat, u64)>)> {
         self.rewrite.as_ref().map(|r| (r.counts(), r.stats()))
+    }
+
+    /// The rewrite program's attachments to the interfaces; None without the rewrite
+    /// splice.
+    pub fn rewrite_links(&self) -> Option<links::LinkCounts> {
+        self.links.as_ref().map(links::Links::counts)
     }
 
     /// Entries in the rewrite map (walks it: tests and diagnostics); 0 without it.

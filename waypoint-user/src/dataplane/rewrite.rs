@@ -90,15 +90,20 @@ pub enum Refusal {
     Busy,
     /// The map is full, or a socket option failed.
     Setup,
+    /// One end is on this host and the other is not: a rewritten packet for this host
+    /// would arrive on another interface than lo with one of this host's addresses as its
+    /// source, which the stack drops as a martian.
+    Local,
 }
 
 impl Refusal {
     /// Every reason, for metrics.
-    pub const ALL: [Refusal; 4] = [
+    pub const ALL: [Refusal; 5] = [
         Refusal::NotIpv4,
         Refusal::Options,
         Refusal::Busy,
         Refusal::Setup,
+        Refusal::Local,
     ];
 
     /// A short label for logs.
@@ -108,6 +113,7 @@ impl Refusal {
             Refusal::Options => "options",
             Refusal::Busy => "busy",
             Refusal::Setup => "setup",
+            Refusal::Local => "local",
         }
     }
 
@@ -118,6 +124,7 @@ impl Refusal {
             Refusal::Options => "refused_options",
             Refusal::Busy => "refused_busy",
             Refusal::Setup => "refused_setup",
+            Refusal::Local => "refused_local",
         }
     }
 }
@@ -140,7 +147,7 @@ pub struct Counts {
     /// Connections spliced by rewriting.
     pub spliced: u64,
     /// Connections refused, by [`Refusal::ALL`] order.
-    pub refused: [u64; 4],
+    pub refused: [u64; Refusal::ALL.len()],
     /// Connections undone at the hand-over because a packet landed in A or B (step 3).
     pub stranded: u64,
     /// Spliced connections now live (entries in the map).
@@ -159,7 +166,7 @@ pub(super) struct Rewriter {
     grace: Arc<Grace>,
     next_slot: AtomicU32,
     spliced: AtomicU64,
-    refused: [AtomicU64; 4],
+    refused: [AtomicU64; Refusal::ALL.len()],
     stranded: AtomicU64,
     live: AtomicU64,
     pending: AtomicU64,
@@ -360,6 +367,9 @@ impl Rewriter {
         initial: &[u8],
     ) -> Result<Prepared, Refusal> {
         let addrs = Addrs::of(downstream, upstream).ok_or(Refusal::NotIpv4)?;
+        if addrs.client_here() != addrs.pod_here() {
+            return Err(Refusal::Local);
+        }
         let (a, b) = (downstream.as_raw_fd(), upstream.as_raw_fd());
         let (Ok(info_a), Ok(info_b)) = (info(downstream), info(upstream)) else {
             return Err(Refusal::Setup);
@@ -785,18 +795,6 @@ impl Drop for Conn {
     }
 }
 
-/// The names of the network interfaces of this namespace.
-pub(super) fn interfaces() -> io::Result<Vec<String>> {
-    let mut names = Vec::new();
-    for entry in std::fs::read_dir("/sys/class/net")? {
-        if let Some(name) = entry?.file_name().to_str() {
-            names.push(name.to_owned());
-        }
-    }
-    names.sort();
-    Ok(names)
-}
-
 /// The four addresses of a connection that can be spliced by rewriting.
 #[derive(Clone, Copy)]
 struct Addrs {
@@ -813,6 +811,18 @@ impl Addrs {
             from_client: key(self.client, self.a_local),
             from_pod: key(self.pod, self.b_local),
         }
+    }
+
+    /// The client is on this host (a loopback address, or the address it connected to).
+    /// A client that connected from another of this host's addresses is taken for a
+    /// remote one; the MSS check catches it unless lo's MTU is the uplink's.
+    fn client_here(&self) -> bool {
+        self.client.ip().is_loopback() || self.client.ip() == self.a_local.ip()
+    }
+
+    /// The pod is on this host (host network), as [`Addrs::client_here`].
+    fn pod_here(&self) -> bool {
+        self.pod.ip().is_loopback() || self.pod.ip() == self.b_local.ip()
     }
 
     fn of(downstream: &Socket, upstream: &Socket) -> Option<Addrs> {

@@ -1,0 +1,253 @@
+//! Keeps the rewrite program on the ingress of every network interface of the namespace,
+//! including the ones that appear after start: on a CNI without a bridge each new pod
+//! brings a veth of its own, and a pod whose answers arrive on an interface without the
+//! program would answer into the waypoint's socket (B) instead of the client.
+//!
+//! A netlink socket subscribed to link changes wakes a thread (`waypoint-links`), which
+//! lists the interfaces (one `RTM_GETLINK` dump, in this thread's namespace) and attaches
+//! the program to each new one. The message itself is not parsed: any change, a missed
+//! one (a full socket buffer) or a second without any leads to the same comparison, so
+//! nothing depends on reading every message. An interface that went (deleted, or moved
+//! into a pod's namespace) has lost its attachment in the kernel; its link is dropped
+//! here, so that a node with pod churn does not collect them.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    os::fd::{AsRawFd as _, OwnedFd},
+    sync::{
+        atomic::{AtomicU64, Ordering::Relaxed},
+        Arc, Mutex, Weak,
+    },
+    time::Duration,
+};
+
+use aya::programs::{tc::SchedClassifierLinkId, SchedClassifier, TcAttachType};
+use nix::sys::socket::{self, AddressFamily, NetlinkAddr, SockFlag, SockProtocol, SockType};
+use tracing::{debug, info, warn};
+
+/// How long the thread waits for a link change before it compares anyway (and looks
+/// whether the dataplane is still there).
+const RESCAN: Duration = Duration::from_secs(1);
+
+/// Errors of watching the interfaces.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The netlink socket for link changes could not be set up.
+    #[error("subscribing to link changes (netlink): {0}")]
+    Netlink(#[source] nix::Error),
+    /// The interfaces could not be listed.
+    #[error("listing the network interfaces: {0}")]
+    List(#[source] nix::Error),
+    /// The program could not be attached to an interface present at start.
+    #[error("attaching the rewrite program to {interface}: {source}")]
+    Attach {
+        /// The interface.
+        interface: String,
+        /// The cause.
+        source: aya::programs::ProgramError,
+    },
+    /// The program is missing from the object.
+    #[error("the rewrite program is missing from the object")]
+    Missing,
+    /// The watching thread could not be started.
+    #[error("starting the link watcher: {0}")]
+    Thread(#[source] std::io::Error),
+}
+
+/// What [`Links`] reports.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct LinkCounts {
+    /// Interfaces the program is attached to now.
+    pub attached: u64,
+    /// Attachments that failed after start (each interface and name once).
+    pub failed: u64,
+}
+
+/// The attachments of the rewrite program, kept up to date by a thread for as long as
+/// this lives (the thread ends within a second of the drop).
+pub struct Links {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    attached: AtomicU64,
+    failed: AtomicU64,
+}
+
+/// The thread's own state.
+struct Watch {
+    /// Interface index → its name when attached, and the link.
+    links: BTreeMap<u32, (String, SchedClassifierLinkId)>,
+    /// (index, name) pairs whose attachment failed: not tried again (a renamed interface
+    /// is a new pair, and is).
+    failed: BTreeSet<(u32, String)>,
+}
+
+impl Links {
+    /// Attaches `program` (by name in `object`) to every interface now present (failing
+    /// if any refuses), and starts the thread that follows the changes. The thread holds
+    /// the object only while it attaches: dropping the last other owner unloads it.
+    pub fn start<O>(object: &Arc<Mutex<O>>, program: &'static str) -> Result<Links, Error>
+    where
+        O: ProgramOwner + Send + 'static,
+    {
+        let sock = subscribe()?;
+        let shared = Arc::new(Shared {
+            attached: AtomicU64::new(0),
+            failed: AtomicU64::new(0),
+        });
+        let mut watch = Watch {
+            links: BTreeMap::new(),
+            failed: BTreeSet::new(),
+        };
+        {
+            let mut o = object.lock().unwrap_or_else(|p| p.into_inner());
+            let prog = o.classifier(program).ok_or(Error::Missing)?;
+            for (index, name) in interfaces()? {
+                let id = prog
+                    .attach(&name, TcAttachType::Ingress)
+                    .map_err(|source| Error::Attach {
+                        interface: name.clone(),
+                        source,
+                    })?;
+                watch.links.insert(index, (name, id));
+            }
+            info!(
+                interfaces = ?watch.links.values().map(|(n, _)| n.as_str()).collect::<Vec<_>>(),
+                "rewrite program attached"
+            );
+        }
+        shared.attached.store(watch.links.len() as u64, Relaxed);
+        let weak = Arc::downgrade(object);
+        let thread_shared = shared.clone();
+        std::thread::Builder::new()
+            .name("waypoint-links".into())
+            .spawn(move || run(&sock, &weak, program, &mut watch, &thread_shared))
+            .map_err(Error::Thread)?;
+        Ok(Links { shared })
+    }
+
+    /// The attachments now, and the failures since start.
+    pub fn counts(&self) -> LinkCounts {
+        LinkCounts {
+            attached: self.shared.attached.load(Relaxed),
+            failed: self.shared.failed.load(Relaxed),
+        }
+    }
+}
+
+/// What owns the loaded programs: the thread finds the classifier through it.
+pub trait ProgramOwner {
+    /// The classifier `name`, if the object has it.
+    fn classifier(&mut self, name: &str) -> Option<&mut SchedClassifier>;
+}
+
+impl ProgramOwner for aya::Ebpf {
+    fn classifier(&mut self, name: &str) -> Option<&mut SchedClassifier> {
+        self.program_mut(name)?.try_into().ok()
+    }
+}
+
+/// A netlink socket that receives the link changes of this thread's namespace, and
+/// times out after [`RESCAN`].
+fn subscribe() -> Result<OwnedFd, Error> {
+    let sock = socket::socket(
+        AddressFamily::Netlink,
+        SockType::Raw,
+        SockFlag::SOCK_CLOEXEC,
+        SockProtocol::NetlinkRoute,
+    )
+    .map_err(Error::Netlink)?;
+    let groups = libc::RTMGRP_LINK as u32;
+    socket::bind(sock.as_raw_fd(), &NetlinkAddr::new(0, groups)).map_err(Error::Netlink)?;
+    let timeout = nix::sys::time::TimeVal::new(RESCAN.as_secs() as libc::time_t, 0);
+    socket::setsockopt(&sock, socket::sockopt::ReceiveTimeout, &timeout).map_err(Error::Netlink)?;
+    Ok(sock)
+}
+
+/// The interfaces of this thread's namespace, by index.
+fn interfaces() -> Result<Vec<(u32, String)>, Error> {
+    let list = nix::net::if_::if_nameindex().map_err(Error::List)?;
+    Ok(list
+        .iter()
+        .map(|i| (i.index(), i.name().to_string_lossy().into_owned()))
+        .collect())
+}
+
+fn run<O: ProgramOwner>(
+    sock: &OwnedFd,
+    object: &Weak<Mutex<O>>,
+    program: &str,
+    watch: &mut Watch,
+    shared: &Shared,
+) {
+    // Messages are only a cue; 16 KiB holds several (a larger one is cut, harmlessly).
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        match socket::recv(sock.as_raw_fd(), &mut buf, socket::MsgFlags::empty()) {
+            // A change, a second without one, or changes lost to a full buffer: compare.
+            Ok(_) | Err(nix::Error::EAGAIN | nix::Error::EINTR | nix::Error::ENOBUFS) => {}
+            Err(e) => {
+                warn!(error = %e, "link watcher: reading link changes failed; comparing every second");
+                std::thread::sleep(RESCAN);
+            }
+        }
+        let Some(object) = object.upgrade() else {
+            debug!("link watcher: dataplane gone, stopping");
+            return;
+        };
+        let current = match interfaces() {
+            Ok(c) => c,
+            Err(e) => {
+                warn!(error = %e, "link watcher");
+                continue;
+            }
+        };
+        let mut o = object.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(prog) = o.classifier(program) else {
+            return;
+        };
+        watch.sync(prog, &current, shared);
+    }
+}
+
+impl Watch {
+    /// Drops the links of interfaces that went, and attaches to new ones.
+    fn sync(&mut self, prog: &mut SchedClassifier, current: &[(u32, String)], shared: &Shared) {
+        let present: BTreeSet<u32> = current.iter().map(|(i, _)| *i).collect();
+        let gone: Vec<u32> = self
+            .links
+            .keys()
+            .filter(|i| !present.contains(i))
+            .copied()
+            .collect();
+        for index in gone {
+            if let Some((name, id)) = self.links.remove(&index) {
+                // The kernel detached it with the interface; this frees our side.
+                drop(prog.take_link(id));
+                debug!(interface = %name, index, "interface gone");
+            }
+        }
+        self.failed.retain(|(i, _)| present.contains(i));
+        for (index, name) in current {
+            if self.links.contains_key(index) || self.failed.contains(&(*index, name.clone())) {
+                continue;
+            }
+            match prog.attach(name, TcAttachType::Ingress) {
+                Ok(id) => {
+                    info!(interface = %name, index, "rewrite program attached to a new interface");
+                    self.links.insert(*index, (name.clone(), id));
+                }
+                Err(e) => {
+                    // Gone again before the attach (a CNI's temporary name), or refused.
+                    // Its pods' hand-overs end as `stranded` rather than hang.
+                    warn!(interface = %name, index, error = %e,
+                        "rewrite program could not be attached to a new interface");
+                    shared.failed.fetch_add(1, Relaxed);
+                    self.failed.insert((*index, name.clone()));
+                }
+            }
+        }
+        shared.attached.store(self.links.len() as u64, Relaxed);
+    }
+}
