@@ -673,17 +673,7 @@ async fn pod_closing_first_is_refused_to_the_sockhash_path() {
 /// unshare), so that the interfaces it adds and counts are its own.
 #[test]
 fn pods_on_interfaces_added_after_start_are_spliced() {
-    common::require_root();
-    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).expect("unshare(CLONE_NEWNET)");
-    ip(&["link", "set", "lo", "up"]);
-    // A node forwards (pods need it); without it, the route lookup the program makes for
-    // a packet that came in from a veth stops at "forwarding disabled".
-    let st = std::process::Command::new("sysctl")
-        .args(["-qw", "net.ipv4.ip_forward=1"])
-        .status()
-        .unwrap();
-    assert!(st.success());
-    let (dp, e) = load();
+    let (dp, e) = own_node();
     assert_eq!(
         e.rewrite_links().unwrap().attached,
         1,
@@ -691,12 +681,7 @@ fn pods_on_interfaces_added_after_start_are_spliced() {
     );
     let pod = Peer::new("pod", 232);
     let remote = Peer::new("cli", 233);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
+    runtime().block_on(async {
         let links = || e.rewrite_links().unwrap();
         until("the program on both new veths", || links().attached == 3).await;
         assert_eq!(links().failed, 0);
@@ -740,6 +725,153 @@ fn pods_on_interfaces_added_after_start_are_spliced() {
         drop(pod);
         until("the gone veth forgotten", || links().attached == 2).await;
     });
+}
+
+/// A lossy path both ways (3 % of the packets reaching the client and the pod dropped,
+/// by nft): 32 MiB echoed intact, and the ends recovered on rewritten numbers: each
+/// sender recovered with SACK blocks and discarded none as outside its window (untranslated
+/// SACK edges would be), and neither end dropped a segment for an old timestamp.
+#[test]
+fn a_lossy_path_recovers_with_rewritten_sack_blocks() {
+    const TOTAL: u64 = 32 * 1024 * 1024;
+    let (dp, e) = own_node();
+    let pod = Peer::new("pod", 234);
+    let remote = Peer::new("cli", 235);
+    pod.lossy(3);
+    remote.lossy(3);
+    runtime().block_on(async {
+        until("the program on both veths", || {
+            e.rewrite_links().unwrap().attached == 3
+        })
+        .await;
+        let upstream = pod.serve();
+        let bind = "0.0.0.0:0".parse().unwrap();
+        let mut proxy = common::proxy_at(bind, dp, upstream, HELLO, Limits::default()).await;
+        let stream = remote.connect((remote.node_ip(), proxy.addr.port()).into());
+        stream.set_nonblocking(true).unwrap();
+        let mut c = TcpStream::from_std(stream).unwrap();
+        let (sent, got) = tokio::time::timeout(Duration::from_secs(120), async move {
+            let hello: Vec<u8> = (0..HELLO).map(|i| i as u8).collect();
+            c.write_all(&hello).await.unwrap();
+            let mut answer = [0u8; 1];
+            c.read_exact(&mut answer).await.unwrap();
+            assert_eq!(answer, [ANSWER]);
+            let (r, w) = c.into_split();
+            tokio::join!(common::send_random(w, TOTAL, 7), common::recv_all(r))
+        })
+        .await
+        .expect("32 MiB echoed over the lossy path within 120 s");
+        assert_eq!(got, (TOTAL, sent), "echoed intact");
+        let outcome = common::next_outcome(&mut proxy, Duration::from_secs(30)).await;
+        assert_eq!(outcome.end, End::Closed);
+        let (counts, _) = e.rewrite_counts().unwrap();
+        assert_eq!(counts.spliced, 1, "spliced by rewriting: {counts:?}");
+        assert_eq!(counts.stranded, 0);
+        assert_eq!(stat(&e, RewriteStat::BadOptions), 0);
+        for (end, peer) in [("client", &remote), ("pod", &pod)] {
+            let n = peer.netstat();
+            eprintln!(
+                "{end}: SACK recoveries {}, SACK blocks discarded {}, PAWS drops {}, \
+                 fast retransmits {}, D-SACKs received {}, timeouts {}, loss probes {}",
+                n("TCPSackRecovery"),
+                n("TCPSACKDiscard"),
+                n("PAWSEstab"),
+                n("TCPFastRetrans"),
+                n("TCPDSACKRecv"),
+                n("TCPTimeouts"),
+                n("TCPLossProbes"),
+            );
+            assert!(n("TCPSackRecovery") > 0, "{end} recovered with SACK blocks");
+            assert_eq!(n("TCPSACKDiscard"), 0, "{end} discarded SACK blocks");
+            assert_eq!(
+                n("PAWSEstab"),
+                0,
+                "{end} dropped segments for their timestamps"
+            );
+        }
+    });
+}
+
+/// A pod whose path has another MTU than the client's (an MSS the client was not told)
+/// is not spliced: the SockHash serves it, intact.
+#[test]
+fn a_different_mss_is_refused_to_the_sockhash_path() {
+    let (dp, e) = own_node();
+    let pod = Peer::new("pod", 236);
+    let remote = Peer::new("cli", 237);
+    ip(&["link", "set", "pod", "mtu", "9000"]);
+    ip(&["-n", &pod.ns, "link", "set", "eth0", "mtu", "9000"]);
+    runtime().block_on(async {
+        until("the program on both veths", || {
+            e.rewrite_links().unwrap().attached == 3
+        })
+        .await;
+        let upstream = pod.serve();
+        let bind = "0.0.0.0:0".parse().unwrap();
+        let mut proxy = common::proxy_at(bind, dp, upstream, HELLO, Limits::default()).await;
+        let stream = remote.connect((remote.node_ip(), proxy.addr.port()).into());
+        let total = echo_through(stream).await;
+        let outcome = common::next_outcome(&mut proxy, Duration::from_secs(30)).await;
+        assert_eq!(outcome.end, End::Closed);
+        assert_eq!(outcome.upstream_to_downstream, total + 1);
+        let (counts, _) = e.rewrite_counts().unwrap();
+        assert_eq!(counts.refused[Refusal::Options as usize], 1, "{counts:?}");
+        assert_eq!(counts.spliced, 0);
+    });
+}
+
+/// An IPv6 connection is not spliced (the program rewrites IPv4): the SockHash serves
+/// it, intact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ipv6_is_refused_to_the_sockhash_path() {
+    let (dp, e) = load();
+    let back = TcpListener::bind("[::1]:0").await.unwrap();
+    let bind = "[::1]:0".parse().unwrap();
+    let upstream = back.local_addr().unwrap();
+    let mut proxy = common::proxy_at(bind, dp, upstream, HELLO, Limits::default()).await;
+    let pod = async {
+        let mut s = server(&back).await;
+        let mut buf = vec![0u8; 70_000];
+        loop {
+            let n = s.read(&mut buf).await.unwrap();
+            if n == 0 {
+                break;
+            }
+            s.write_all(&buf[..n]).await.unwrap();
+        }
+    };
+    let stream = std::net::TcpStream::connect(proxy.addr).unwrap();
+    let ((), total) = tokio::join!(pod, echo_through(stream));
+    let outcome = common::next_outcome(&mut proxy, Duration::from_secs(30)).await;
+    assert_eq!(outcome.end, End::Closed);
+    assert_eq!(outcome.upstream_to_downstream, total + 1);
+    let (counts, _) = e.rewrite_counts().unwrap();
+    assert_eq!(counts.refused[Refusal::NotIpv4 as usize], 1, "{counts:?}");
+    assert_eq!(counts.spliced, 0);
+}
+
+/// This thread as a node in a network namespace of its own: lo up, forwarding on (a node
+/// forwards; without it, the route lookup the program makes for a packet that came in on
+/// a veth stops at "forwarding disabled"), and the dataplane loaded there. Build the
+/// runtime afterwards ([`runtime`]), so that its threads and sockets live there too.
+fn own_node() -> (Arc<Dataplane>, Arc<ebpf::Ebpf>) {
+    common::require_root();
+    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).expect("unshare(CLONE_NEWNET)");
+    ip(&["link", "set", "lo", "up"]);
+    let st = std::process::Command::new("sysctl")
+        .args(["-qw", "net.ipv4.ip_forward=1"])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    load()
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
 }
 
 /// Sends the hello through `stream`, checks the answer, then 200 echoes of every size
@@ -804,7 +936,8 @@ struct Peer {
 
 impl Peer {
     fn new(name: &str, net: u8) -> Peer {
-        let ns = format!("wplate-{name}-{}", std::process::id());
+        // Tests of one binary run at once, in one process: the net number tells them apart.
+        let ns = format!("wplate-{name}{net}-{}", std::process::id());
         ip(&["netns", "add", &ns]);
         let peer = Peer {
             ns: ns.clone(),
@@ -854,6 +987,44 @@ impl Peer {
         })
         .join()
         .unwrap()
+    }
+
+    /// Drops `percent` % of the TCP packets that arrive in the namespace, but for SYN,
+    /// FIN and RST (nft; netem is not on every kernel). On arrival: a packet dropped on
+    /// its way out is not lost, its sender is told and sends it again.
+    fn lossy(&self, percent: u32) {
+        let rules = format!(
+            "table ip loss {{\n chain lose {{\n type filter hook input priority 0;\n \
+             tcp flags & (syn | fin | rst) == 0 numgen random mod 100 < {percent} drop\n }}\n}}\n"
+        );
+        let mut nft = std::process::Command::new("ip")
+            .args(["netns", "exec", &self.ns, "nft", "-f", "-"])
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        use std::io::Write as _;
+        nft.stdin
+            .take()
+            .unwrap()
+            .write_all(rules.as_bytes())
+            .unwrap();
+        assert!(nft.wait().unwrap().success(), "nft: {rules}");
+    }
+
+    /// The namespace's TCP counters (`TcpExt` of /proc/net/netstat), by name; 0 for a
+    /// name not there.
+    fn netstat(&self) -> impl Fn(&str) -> u64 {
+        let text =
+            self.within(|| std::fs::read_to_string("/proc/thread-self/net/netstat").unwrap());
+        let lines: Vec<&str> = text.lines().filter(|l| l.starts_with("TcpExt:")).collect();
+        let names = lines[0].split_whitespace().skip(1);
+        let values = lines[1]
+            .split_whitespace()
+            .skip(1)
+            .map(|v| v.parse::<u64>().unwrap());
+        let map: std::collections::HashMap<String, u64> =
+            names.map(str::to_owned).zip(values).collect();
+        move |name| map.get(name).copied().unwrap_or(0)
     }
 
     /// A connection to `to` from inside the namespace.

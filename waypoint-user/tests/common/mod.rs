@@ -115,7 +115,12 @@ async fn proxy_on(
     // A deep accept queue: with tokio's default (1024) a burst of 1,000 connections
     // overflowed it, the kernel fell back to SYN cookies and reset some connections.
     let listener = {
-        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        let sock = if bind.is_ipv4() {
+            tokio::net::TcpSocket::new_v4()
+        } else {
+            tokio::net::TcpSocket::new_v6()
+        }
+        .unwrap();
         sock.bind(bind).unwrap();
         sock.listen(4096).unwrap()
     };
