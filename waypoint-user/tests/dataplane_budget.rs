@@ -152,14 +152,7 @@ impl Veth {
 
     /// Runs `f` on a thread inside the namespace: sockets it creates stay there.
     fn within<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
-        let path = format!("/run/netns/{}", self.ns);
-        std::thread::spawn(move || {
-            let file = std::fs::File::open(path).unwrap();
-            nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
-            f()
-        })
-        .join()
-        .unwrap()
+        common::in_netns(&self.ns, f)
     }
 }
 

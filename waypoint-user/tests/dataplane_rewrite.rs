@@ -38,12 +38,38 @@ fn stat(e: &ebpf::Ebpf, which: RewriteStat) -> u64 {
 /// Client side of a connection through `proxy`: sends the hello, waits for the answer.
 async fn client(proxy: std::net::SocketAddr) -> TcpStream {
     let mut c = TcpStream::connect(proxy).await.unwrap();
+    hello_answered(&mut c).await;
+    c
+}
+
+/// Sends the hello and checks the answer.
+async fn hello_answered(c: &mut TcpStream) {
     let hello: Vec<u8> = (0..HELLO).map(|i| i as u8).collect();
     c.write_all(&hello).await.unwrap();
     let mut answer = [0u8; 1];
     c.read_exact(&mut answer).await.unwrap();
     assert_eq!(answer, [ANSWER]);
-    c
+}
+
+/// `rounds` echoes of the `sizes` in turn, each checked, then a close answered by the
+/// pod's close; returns the bytes echoed.
+async fn echo_rounds(c: &mut TcpStream, rounds: u64, sizes: &[usize]) -> u64 {
+    let mut total = 0u64;
+    for i in 0..rounds {
+        let len = sizes[(i % sizes.len() as u64) as usize];
+        let mut msg = vec![0u8; len];
+        common::pattern_fill(i, 0, &mut msg);
+        c.write_all(&msg).await.unwrap();
+        let mut back = vec![0u8; len];
+        c.read_exact(&mut back).await.unwrap();
+        assert_eq!(common::pattern_mismatch(i, 0, &back), None, "echo {i}");
+        total += len as u64;
+    }
+    c.shutdown().await.unwrap();
+    let mut rest = Vec::new();
+    c.read_to_end(&mut rest).await.unwrap();
+    assert!(rest.is_empty());
+    total
 }
 
 /// Server side: accepts, checks the hello, answers.
@@ -120,22 +146,7 @@ async fn echoes_are_intact() {
     };
     let cl = async {
         let mut c = client(addr).await;
-        let mut total = 0u64;
-        for i in 0..2_000u64 {
-            let len = [1usize, 64, 1_400, 9_000, 65_000][(i % 5) as usize];
-            let mut msg = vec![0u8; len];
-            common::pattern_fill(i, 0, &mut msg);
-            c.write_all(&msg).await.unwrap();
-            let mut back = vec![0u8; len];
-            c.read_exact(&mut back).await.unwrap();
-            assert_eq!(common::pattern_mismatch(i, 0, &back), None, "echo {i}");
-            total += len as u64;
-        }
-        c.shutdown().await.unwrap();
-        let mut rest = Vec::new();
-        c.read_to_end(&mut rest).await.unwrap();
-        assert!(rest.is_empty());
-        total
+        echo_rounds(&mut c, 2_000, &[1, 64, 1_400, 9_000, 65_000]).await
     };
     let ((), total) = tokio::join!(pod, cl);
     let outcome = common::next_outcome(&mut proxy, Duration::from_secs(30)).await;
@@ -751,11 +762,7 @@ fn a_lossy_path_recovers_with_rewritten_sack_blocks() {
         stream.set_nonblocking(true).unwrap();
         let mut c = TcpStream::from_std(stream).unwrap();
         let (sent, got) = tokio::time::timeout(Duration::from_secs(120), async move {
-            let hello: Vec<u8> = (0..HELLO).map(|i| i as u8).collect();
-            c.write_all(&hello).await.unwrap();
-            let mut answer = [0u8; 1];
-            c.read_exact(&mut answer).await.unwrap();
-            assert_eq!(answer, [ANSWER]);
+            hello_answered(&mut c).await;
             let (r, w) = c.into_split();
             tokio::join!(common::send_random(w, TOTAL, 7), common::recv_all(r))
         })
@@ -880,26 +887,8 @@ async fn echo_through(stream: std::net::TcpStream) -> u64 {
     stream.set_nonblocking(true).unwrap();
     let mut c = TcpStream::from_std(stream).unwrap();
     tokio::time::timeout(Duration::from_secs(30), async move {
-        let hello: Vec<u8> = (0..HELLO).map(|i| i as u8).collect();
-        c.write_all(&hello).await.unwrap();
-        let mut answer = [0u8; 1];
-        c.read_exact(&mut answer).await.unwrap();
-        assert_eq!(answer, [ANSWER]);
-        let mut total = 0u64;
-        for i in 0..200u64 {
-            let len = [1usize, 1_400, 9_000, 65_000][(i % 4) as usize];
-            let mut msg = vec![0u8; len];
-            common::pattern_fill(i, 0, &mut msg);
-            c.write_all(&msg).await.unwrap();
-            let mut back = vec![0u8; len];
-            c.read_exact(&mut back).await.unwrap();
-            assert_eq!(common::pattern_mismatch(i, 0, &back), None, "echo {i}");
-            total += len as u64;
-        }
-        c.shutdown().await.unwrap();
-        let mut rest = Vec::new();
-        c.read_to_end(&mut rest).await.unwrap();
-        total
+        hello_answered(&mut c).await;
+        echo_rounds(&mut c, 200, &[1, 1_400, 9_000, 65_000]).await
     })
     .await
     .expect("the hello answered and every echo back within 30 s")
@@ -977,16 +966,9 @@ impl Peer {
         std::net::Ipv4Addr::new(10, self.net, 0, 1)
     }
 
-    /// Runs `f` on a thread inside the namespace.
+    /// Runs `f` on a thread inside the namespace: sockets it creates stay there.
     fn within<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
-        let path = format!("/run/netns/{}", self.ns);
-        std::thread::spawn(move || {
-            let file = std::fs::File::open(path).unwrap();
-            nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
-            f()
-        })
-        .join()
-        .unwrap()
+        common::in_netns(&self.ns, f)
     }
 
     /// Drops `percent` % of the TCP packets that arrive in the namespace, but for SYN,

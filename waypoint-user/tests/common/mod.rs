@@ -298,3 +298,16 @@ pub async fn recv_all(mut r: impl tokio::io::AsyncRead + Unpin) -> (u64, [u8; 32
         h.update(&buf[..n]);
     }
 }
+
+/// Runs `f` on a thread inside the named network namespace (`/run/netns/<ns>`): sockets
+/// it creates stay there.
+pub fn in_netns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let path = format!("/run/netns/{ns}");
+    std::thread::spawn(move || {
+        let file = std::fs::File::open(path).unwrap();
+        nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+        f()
+    })
+    .join()
+    .unwrap()
+}
