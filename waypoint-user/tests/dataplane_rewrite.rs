@@ -694,14 +694,10 @@ fn pods_on_interfaces_added_after_start_are_spliced() {
     let remote = Peer::new("cli", 233);
     runtime().block_on(async {
         let links = || e.rewrite_links().unwrap();
-        until("the program on both new veths", || links().attached == 3).await;
-        assert_eq!(links().failed, 0);
-        let upstream = pod.serve();
-        let bind = "0.0.0.0:0".parse().unwrap();
-        let mut proxy = common::proxy_at(bind, dp, upstream, HELLO, Limits::default()).await;
-        let port = proxy.addr.port();
         // From another host: in through one new veth, out through the other.
-        let stream = remote.connect((remote.node_ip(), port).into());
+        let (mut proxy, stream) = across(&e, dp, &pod, &remote).await;
+        assert_eq!(links().failed, 0);
+        let port = proxy.addr.port();
         let total = echo_through(stream).await;
         let outcome = common::next_outcome(&mut proxy, Duration::from_secs(30)).await;
         assert_eq!(outcome.end, End::Closed);
@@ -751,14 +747,7 @@ fn a_lossy_path_recovers_with_rewritten_sack_blocks() {
     pod.lossy(3);
     remote.lossy(3);
     runtime().block_on(async {
-        until("the program on both veths", || {
-            e.rewrite_links().unwrap().attached == 3
-        })
-        .await;
-        let upstream = pod.serve();
-        let bind = "0.0.0.0:0".parse().unwrap();
-        let mut proxy = common::proxy_at(bind, dp, upstream, HELLO, Limits::default()).await;
-        let stream = remote.connect((remote.node_ip(), proxy.addr.port()).into());
+        let (mut proxy, stream) = across(&e, dp, &pod, &remote).await;
         stream.set_nonblocking(true).unwrap();
         let mut c = TcpStream::from_std(stream).unwrap();
         let (sent, got) = tokio::time::timeout(Duration::from_secs(120), async move {
@@ -809,14 +798,7 @@ fn a_different_mss_is_refused_to_the_sockhash_path() {
     ip(&["link", "set", "pod", "mtu", "9000"]);
     ip(&["-n", &pod.ns, "link", "set", "eth0", "mtu", "9000"]);
     runtime().block_on(async {
-        until("the program on both veths", || {
-            e.rewrite_links().unwrap().attached == 3
-        })
-        .await;
-        let upstream = pod.serve();
-        let bind = "0.0.0.0:0".parse().unwrap();
-        let mut proxy = common::proxy_at(bind, dp, upstream, HELLO, Limits::default()).await;
-        let stream = remote.connect((remote.node_ip(), proxy.addr.port()).into());
+        let (mut proxy, stream) = across(&e, dp, &pod, &remote).await;
         let total = echo_through(stream).await;
         let outcome = common::next_outcome(&mut proxy, Duration::from_secs(30)).await;
         assert_eq!(outcome.end, End::Closed);
@@ -855,6 +837,25 @@ async fn ipv6_is_refused_to_the_sockhash_path() {
     let (counts, _) = e.rewrite_counts().unwrap();
     assert_eq!(counts.refused[Refusal::NotIpv4 as usize], 1, "{counts:?}");
     assert_eq!(counts.spliced, 0);
+}
+
+/// Once the program is on both peers' veths: the pod serving, a proxy to it on every
+/// address of this node, and a connection to it from the remote peer.
+async fn across(
+    e: &ebpf::Ebpf,
+    dp: Arc<Dataplane>,
+    pod: &Peer,
+    remote: &Peer,
+) -> (common::Proxy, std::net::TcpStream) {
+    until("the program on both veths", || {
+        e.rewrite_links().unwrap().attached == 3
+    })
+    .await;
+    let upstream = pod.serve();
+    let bind = "0.0.0.0:0".parse().unwrap();
+    let proxy = common::proxy_at(bind, dp, upstream, HELLO, Limits::default()).await;
+    let stream = remote.connect((remote.node_ip(), proxy.addr.port()).into());
+    (proxy, stream)
 }
 
 /// This thread as a node in a network namespace of its own: lo up, forwarding on (a node

@@ -218,6 +218,14 @@ fn cross_cluster(w: &mut World) {
             "spliced by rewriting, not by the SockHash: {:?}",
             after[&via]
         );
+        // lo, eth0, cni0 and a veth per pod.
+        let interfaces = after[&via].get("waypoint_rewrite_interfaces");
+        assert!(
+            interfaces >= 4.0,
+            "the program on every interface: {interfaces}"
+        );
+        let failures = after[&via].get("waypoint_rewrite_attach_failures_total");
+        assert_eq!(failures, 0.0);
     }
     for (node, m) in &after {
         if *node != via {
