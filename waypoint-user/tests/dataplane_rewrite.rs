@@ -42,6 +42,20 @@ async fn client(proxy: std::net::SocketAddr) -> TcpStream {
     c
 }
 
+/// The pod of an echo test: accepts, checks the hello, answers, then echoes until the
+/// client closes.
+async fn echo_pod(listener: &TcpListener) {
+    let mut s = server(listener).await;
+    let mut buf = vec![0u8; 70_000];
+    loop {
+        let n = s.read(&mut buf).await.unwrap();
+        if n == 0 {
+            break;
+        }
+        s.write_all(&buf[..n]).await.unwrap();
+    }
+}
+
 /// Sends the hello and checks the answer.
 async fn hello_answered(c: &mut TcpStream) {
     let hello: Vec<u8> = (0..HELLO).map(|i| i as u8).collect();
@@ -133,17 +147,7 @@ async fn echoes_are_intact() {
     let back = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let mut proxy = common::proxy(dp, back.local_addr().unwrap(), HELLO, Limits::default()).await;
     let addr = proxy.addr;
-    let pod = async {
-        let mut s = server(&back).await;
-        let mut buf = vec![0u8; 70_000];
-        loop {
-            let n = s.read(&mut buf).await.unwrap();
-            if n == 0 {
-                break;
-            }
-            s.write_all(&buf[..n]).await.unwrap();
-        }
-    };
+    let pod = echo_pod(&back);
     let cl = async {
         let mut c = client(addr).await;
         echo_rounds(&mut c, 2_000, &[1, 64, 1_400, 9_000, 65_000]).await
@@ -818,17 +822,7 @@ async fn ipv6_is_refused_to_the_sockhash_path() {
     let bind = "[::1]:0".parse().unwrap();
     let upstream = back.local_addr().unwrap();
     let mut proxy = common::proxy_at(bind, dp, upstream, HELLO, Limits::default()).await;
-    let pod = async {
-        let mut s = server(&back).await;
-        let mut buf = vec![0u8; 70_000];
-        loop {
-            let n = s.read(&mut buf).await.unwrap();
-            if n == 0 {
-                break;
-            }
-            s.write_all(&buf[..n]).await.unwrap();
-        }
-    };
+    let pod = echo_pod(&back);
     let stream = std::net::TcpStream::connect(proxy.addr).unwrap();
     let ((), total) = tokio::join!(pod, echo_through(stream));
     let outcome = common::next_outcome(&mut proxy, Duration::from_secs(30)).await;
