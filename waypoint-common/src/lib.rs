@@ -247,12 +247,17 @@ pub struct Rewrite {
     /// Kernel: taken off TSecr; the reverse direction's `ts_add`, so that the receiver
     /// sees its own clock echoed.
     pub ecr_sub: u32,
-    /// Kernel and userspace ([`REWRITE_TS_LEARNED`], ...).
-    pub flags: u32,
+    /// Kernel and userspace ([`REWRITE_TS_LEARNED`], ...). 64 bits wide and aligned:
+    /// the program sets and clears bits with 64-bit atomic instructions, since two CPUs
+    /// can handle packets of one direction at once (32-bit ones need the 32-bit ALU code
+    /// generation, which makes the verifier's walk through the program several times
+    /// longer).
+    pub flags: u64,
     /// Userspace: the sender's sequence number of the first byte after the waypoint's
     /// snapshot. Kernel: advanced to the end of the highest segment seen.
     pub next_seq: u32,
-    /// Explicit padding.
+    /// Zero. With `next_seq`, one aligned 8-byte word, which the program moves with a
+    /// 64-bit compare-and-exchange (see `flags` for why not a 32-bit one).
     pub _pad: u32,
     /// Kernel: payload bytes that advanced `next_seq` (each byte once, retransmissions
     /// not counted).
@@ -261,21 +266,26 @@ pub struct Rewrite {
     pub packets: u64,
 }
 
+// The program's atomic instructions need `flags` and `next_seq` on 8-byte boundaries.
+const _: () = assert!(core::mem::offset_of!(Rewrite, flags) % 8 == 0);
+const _: () = assert!(core::mem::offset_of!(Rewrite, next_seq) % 8 == 0);
+const _: () = assert!(core::mem::size_of::<Rewrite>() == 72);
+
 /// [`Rewrite::flags`]: `ts_add` is known.
-pub const REWRITE_TS_LEARNED: u32 = 1;
+pub const REWRITE_TS_LEARNED: u64 = 1;
 /// [`Rewrite::flags`]: the first pure ACK goes to the waypoint's socket (see
 /// [`Rewrite::watch`]); cleared by the program when it did so.
-pub const REWRITE_WATCH: u32 = 2;
+pub const REWRITE_WATCH: u64 = 2;
 /// [`Rewrite::flags`]: this direction's sender sent FIN.
-pub const REWRITE_FIN: u32 = 4;
+pub const REWRITE_FIN: u64 = 4;
 /// [`Rewrite::flags`]: this direction's sender sent RST.
-pub const REWRITE_RST: u32 = 8;
+pub const REWRITE_RST: u64 = 8;
 /// [`Rewrite::flags`]: a SYN came with this 4-tuple: the connection is gone (the client
 /// reuses its port). The program removed both entries.
-pub const REWRITE_SYN: u32 = 16;
+pub const REWRITE_SYN: u64 = 16;
 /// [`Rewrite::flags`]: set by userspace on the pod's direction, so that the program can
 /// tell the directions apart in a [`RewriteEnd`].
-pub const REWRITE_FROM_POD: u32 = 32;
+pub const REWRITE_FROM_POD: u64 = 32;
 
 /// A record of [`ENDS_MAP`]: a rewritten connection's end as the program saw it, so
 /// that the daemon need not look at the entries to learn it.

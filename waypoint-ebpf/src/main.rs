@@ -16,6 +16,10 @@
 //! the sequence number after the last byte it saw, and trims what lies below it.
 #![no_std]
 #![no_main]
+// BPF atomics (compare-and-exchange, fetch-and-add): the bpfel target has no `atomic-cas`,
+// so core's atomic types offer only loads and stores on it.
+#![feature(core_intrinsics)]
+#![allow(internal_features)]
 
 mod rewrite;
 

@@ -28,6 +28,7 @@ use aya_ebpf::{
     maps::{HashMap, PerCpuArray},
     programs::TcContext,
 };
+use core::intrinsics::{atomic_and, atomic_cxchg, atomic_or, atomic_xadd, AtomicOrdering};
 use waypoint_common::{
     Rewrite, RewriteEnd, RewriteKey, RewriteStat, Stat, DEFAULT_MAX_REWRITES, END_CLIENT_RST,
     END_CLOSED, END_GONE, END_POD_RST, REWRITE_FIN, REWRITE_FROM_POD, REWRITE_RST,
@@ -160,6 +161,61 @@ fn count(stat: RewriteStat) {
         // touches this slot.
         unsafe { *slot += 1 };
     }
+}
+
+/// Moves the entry's `next_seq` from `seen` (as read before) up to `end`, and counts the
+/// bytes that moved it. Atomically: two CPUs can rewrite packets of one direction at once
+/// (the sender's thread migrated, and its packets sit in two CPUs' backlogs), and a plain
+/// read-modify-write would count the bytes between the old `next_seq` and each `end`
+/// twice. Each failed exchange means another CPU moved `next_seq` meanwhile; after
+/// [`ADVANCE_TRIES`] of them in a row the bytes go uncounted (and the packet is
+/// rewritten all the same).
+#[inline(always)]
+fn advance(r: &mut Rewrite, mut seen: u32, end: u32) {
+    // `next_seq` and the zero `_pad` after it, as one little-endian word: its value is
+    // `next_seq`'s.
+    let at = (&raw mut r.next_seq).cast::<u64>();
+    for _ in 0..ADVANCE_TRIES {
+        if seq_ge(seen, end) {
+            return;
+        }
+        // SAFETY: `at` points into a map element that stays valid for this invocation
+        // (see `rewrite`), 8-byte aligned (asserted in waypoint-common); other CPUs
+        // touch it only atomically.
+        let (was, swapped) = unsafe {
+            atomic_cxchg::<u64, { AtomicOrdering::Relaxed }, { AtomicOrdering::Relaxed }>(
+                at,
+                u64::from(seen),
+                u64::from(end),
+            )
+        };
+        if swapped {
+            let moved = u64::from(end.wrapping_sub(seen));
+            // SAFETY: as for `at`.
+            unsafe {
+                atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(&raw mut r.bytes, moved)
+            };
+            return;
+        }
+        seen = was as u32;
+    }
+}
+
+/// Compare-and-exchange attempts in [`advance`] before it gives up counting a packet.
+const ADVANCE_TRIES: u32 = 8;
+
+/// Sets bits of the entry's flags without losing another CPU's bits set meanwhile.
+#[inline(always)]
+fn flags_or(r: &mut Rewrite, bits: u64) {
+    // SAFETY: as in `advance`.
+    unsafe { atomic_or::<u64, u64, { AtomicOrdering::Relaxed }>(&raw mut r.flags, bits) };
+}
+
+/// Clears the bits of the entry's flags not in `keep`, atomically (see [`flags_or`]).
+#[inline(always)]
+fn flags_and(r: &mut Rewrite, keep: u64) {
+    // SAFETY: as in `advance`.
+    unsafe { atomic_and::<u64, u64, { AtomicOrdering::Relaxed }>(&raw mut r.flags, keep) };
 }
 
 /// `a` is at or after `b` in sequence space.
@@ -339,25 +395,25 @@ fn rewrite(ctx: &TcContext) -> Option<RewriteKey> {
         let until = w.watch;
         if seq_ge(ack, until) {
             put32(ctx, TCP_ACK, h.ack, until.to_be());
-            r.flags &= !REWRITE_WATCH;
+            flags_and(r, !REWRITE_WATCH);
         }
         count(RewriteStat::Diverted);
         // To the waypoint's own socket, unchanged otherwise: the stack delivers it.
         return None;
     }
     let end = seq.wrapping_add(payload);
-    if payload > 0 && !seq_ge(w.next_seq, end) {
-        r.bytes += u64::from(end.wrapping_sub(w.next_seq));
-        r.next_seq = end;
+    if payload > 0 {
+        advance(r, w.next_seq, end);
     }
-    r.packets += 1;
+    // SAFETY: `r` is valid (above); the field is 8-byte aligned (`Rewrite` is `repr(C)`).
+    unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(&raw mut r.packets, 1) };
     let mut ended = false;
     if h.flags & RST != 0 {
-        r.flags |= REWRITE_RST;
+        flags_or(r, REWRITE_RST);
         ended = true;
     }
     if h.flags & FIN != 0 && w.flags & REWRITE_FIN == 0 {
-        r.flags |= REWRITE_FIN;
+        flags_or(r, REWRITE_FIN);
         if let Some(back) = REWRITES.get_ptr(&reverse) {
             // SAFETY: as for `r`.
             ended = unsafe { (*back).flags } & REWRITE_FIN != 0;
@@ -544,7 +600,7 @@ fn timestamps(
         let now = (unsafe { bpf_ktime_get_ns() } / 1_000_000) as u32;
         add = now.wrapping_add(w.ts_off).wrapping_sub(tsval);
         r.ts_add = add;
-        r.flags |= REWRITE_TS_LEARNED;
+        flags_or(r, REWRITE_TS_LEARNED);
         if let Some(back) = REWRITES.get_ptr_mut(reverse) {
             // SAFETY: as for `r` in `rewrite`.
             unsafe { (*back).ecr_sub = add };

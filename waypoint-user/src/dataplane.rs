@@ -17,6 +17,8 @@ pub mod ebpf;
 mod flows;
 pub mod links;
 mod park;
+#[cfg(test)]
+mod program_runs;
 pub mod rewrite;
 mod send_buffer;
 mod signals;

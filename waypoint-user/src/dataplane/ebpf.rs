@@ -65,7 +65,8 @@ use super::{
 };
 
 /// The eBPF object built by waypoint-user's build script from waypoint-ebpf.
-static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/waypoint"));
+pub(super) static OBJECT: &[u8] =
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/waypoint"));
 
 /// Default bound on bytes in flight inside the kernel per direction of a connection.
 pub const DEFAULT_MAX_INFLIGHT: u64 = 4 * 1024 * 1024;

@@ -1,0 +1,226 @@
+//! The rewrite program run on packets built here (`BPF_PROG_TEST_RUN`), without
+//! interfaces or sockets: for what traffic through veths cannot provoke on demand, such
+//! as two CPUs rewriting packets of one direction at the same moment.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+
+use std::{
+    net::Ipv4Addr,
+    os::fd::{AsFd, AsRawFd, BorrowedFd},
+    sync::{
+        atomic::{AtomicU32, Ordering::SeqCst},
+        Barrier,
+    },
+};
+
+use aya::{
+    maps::{HashMap, MapData},
+    programs::{SchedClassifier, SkSkb},
+    EbpfLoader,
+};
+use waypoint_common::{Rewrite, RewriteKey, REWRITES_MAP, REWRITE_PROG, VERDICT_PROG};
+
+use super::ebpf::OBJECT;
+
+/// `BPF_PROG_TEST_RUN`'s part of `union bpf_attr` (include/uapi/linux/bpf.h).
+#[repr(C)]
+#[derive(Default)]
+struct TestRun {
+    prog_fd: u32,
+    retval: u32,
+    data_size_in: u32,
+    data_size_out: u32,
+    data_in: u64,
+    data_out: u64,
+    repeat: u32,
+    duration: u32,
+    ctx_size_in: u32,
+    ctx_size_out: u32,
+    ctx_in: u64,
+    ctx_out: u64,
+    flags: u32,
+    cpu: u32,
+    batch_size: u32,
+    _pad: u32,
+}
+
+const BPF_PROG_TEST_RUN: libc::c_long = 10;
+
+/// Runs the program once on `packet` (on the calling CPU); its return value.
+fn run(prog: BorrowedFd<'_>, packet: &[u8]) -> i32 {
+    let mut out = [0u8; 256];
+    let mut attr = TestRun {
+        prog_fd: prog.as_raw_fd() as u32,
+        data_size_in: packet.len() as u32,
+        data_size_out: out.len() as u32,
+        data_in: packet.as_ptr() as u64,
+        data_out: out.as_mut_ptr() as u64,
+        repeat: 1,
+        ..TestRun::default()
+    };
+    // SAFETY: `attr` is the command's attribute block, of the size passed; the buffers
+    // it points to live for the call and have the sizes it gives.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_PROG_TEST_RUN,
+            &raw mut attr,
+            size_of::<TestRun>(),
+        )
+    };
+    assert_eq!(
+        rc,
+        0,
+        "BPF_PROG_TEST_RUN: {}",
+        std::io::Error::last_os_error()
+    );
+    attr.retval as i32
+}
+
+const CLIENT: Ipv4Addr = Ipv4Addr::new(10, 9, 0, 1);
+const WAYPOINT: Ipv4Addr = Ipv4Addr::new(10, 9, 0, 2);
+const POD: Ipv4Addr = Ipv4Addr::new(10, 9, 1, 3);
+
+/// An Ethernet frame with a TCP segment (ACK, no options) of `payload` bytes at `seq`,
+/// from the client to the waypoint's port 15443. Checksums are left zero: the program
+/// updates them by difference and does not check them.
+fn segment(seq: u32, payload: usize) -> Vec<u8> {
+    let mut p = vec![0u8; 14 + 20 + 20 + payload];
+    p[12..14].copy_from_slice(&0x0800u16.to_be_bytes());
+    let ip = &mut p[14..34];
+    ip[0] = 0x45;
+    ip[2..4].copy_from_slice(&((40 + payload) as u16).to_be_bytes());
+    ip[8] = 64;
+    ip[9] = 6;
+    ip[12..16].copy_from_slice(&CLIENT.octets());
+    ip[16..20].copy_from_slice(&WAYPOINT.octets());
+    let tcp = &mut p[34..54];
+    tcp[0..2].copy_from_slice(&40000u16.to_be_bytes());
+    tcp[2..4].copy_from_slice(&15443u16.to_be_bytes());
+    tcp[4..8].copy_from_slice(&seq.to_be_bytes());
+    tcp[8..12].copy_from_slice(&1u32.to_be_bytes());
+    tcp[12] = 5 << 4;
+    tcp[13] = 0x10;
+    tcp[14..16].copy_from_slice(&64240u16.to_be_bytes());
+    p
+}
+
+fn key(saddr: Ipv4Addr, daddr: Ipv4Addr, sport: u16, dport: u16) -> RewriteKey {
+    RewriteKey {
+        saddr: u32::from_ne_bytes(saddr.octets()),
+        daddr: u32::from_ne_bytes(daddr.octets()),
+        sport: sport.to_be(),
+        dport: dport.to_be(),
+    }
+}
+
+fn pin_to(cpu: usize) {
+    let mut set = nix::sched::CpuSet::new();
+    set.set(cpu).unwrap();
+    nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set).unwrap();
+}
+
+/// Two CPUs run the program on the same segments of one direction, in step: each
+/// segment's bytes are counted once, however the two runs interleave. (A plain
+/// read-modify-write of `next_seq` and `bytes` counts a segment twice whenever both CPUs
+/// read the old `next_seq` before either wrote the new one.)
+#[test]
+fn concurrent_runs_count_each_byte_once() {
+    let cpus = nix::sched::CpuSet::count().min(
+        std::thread::available_parallelism()
+            .map(usize::from)
+            .unwrap_or(1),
+    );
+    assert!(cpus >= 2, "needs two CPUs, has {cpus}");
+    let mut loaded = EbpfLoader::new().load(OBJECT).unwrap();
+    let mut map: HashMap<MapData, RewriteKey, Rewrite> =
+        HashMap::try_from(loaded.take_map(REWRITES_MAP).unwrap()).unwrap();
+    let prog: &mut SchedClassifier = loaded
+        .program_mut(REWRITE_PROG)
+        .unwrap()
+        .try_into()
+        .unwrap();
+    prog.load().unwrap();
+    let fd = prog.fd().unwrap().as_fd().try_clone_to_owned().unwrap();
+
+    const START: u32 = 0xffff_0000; // wraps past 2^32 halfway
+    const SEGMENTS: u32 = 20_000;
+    const LEN: u32 = 100;
+    let client = key(CLIENT, WAYPOINT, 40000, 15443);
+    let entry = Rewrite {
+        to: key(WAYPOINT, POD, 41000, 15008),
+        next_seq: START,
+        ..Rewrite::default()
+    };
+    map.insert(client, entry, 0).unwrap();
+
+    let packets: Vec<Vec<u8>> = (0..SEGMENTS)
+        .map(|k| segment(START.wrapping_add(k * LEN), LEN as usize))
+        .collect();
+    // Both threads run segment k only once both are ready for it: their runs overlap
+    // as often as the two syscalls' entry times allow.
+    let step = Barrier::new(2);
+    let ready = AtomicU32::new(0);
+    std::thread::scope(|s| {
+        for cpu in 0..2 {
+            let (packets, step, ready, fd) = (&packets, &step, &ready, &fd);
+            s.spawn(move || {
+                pin_to(cpu);
+                step.wait();
+                for (k, p) in packets.iter().enumerate() {
+                    // A spinning rendezvous: a sleeping barrier would wake the threads
+                    // tens of microseconds apart.
+                    let k = k as u32;
+                    ready.fetch_add(1, SeqCst);
+                    while ready.load(SeqCst) < 2 * (k + 1) {
+                        std::hint::spin_loop();
+                    }
+                    run(fd.as_fd(), p);
+                }
+            });
+        }
+    });
+    let after = map.get(&client, 0).unwrap();
+    assert_eq!(
+        after.bytes,
+        u64::from(SEGMENTS * LEN),
+        "bytes counted twice (or lost) under concurrent runs"
+    );
+    assert_eq!(after.next_seq, START.wrapping_add(SEGMENTS * LEN));
+    assert_eq!(after.packets, u64::from(2 * SEGMENTS), "packets lost");
+}
+
+/// The verifier walks every path of a program, up to a million instructions in all
+/// (`BPF_COMPLEXITY_LIMIT_INSNS`); a small change in the code LLVM emits can multiply the
+/// count (the rewrite program, built for 32-bit ALU instructions before its entry updates
+/// became atomic, went past the limit). Each program must stay at a quarter of it.
+#[test]
+fn both_programs_verify_well_below_the_complexity_limit() {
+    const LIMIT: u32 = 1_000_000;
+    let mut loaded = EbpfLoader::new().load(OBJECT).unwrap();
+    let verdict: &mut SkSkb = loaded
+        .program_mut(VERDICT_PROG)
+        .unwrap()
+        .try_into()
+        .unwrap();
+    verdict.load().unwrap();
+    let verdict = verdict
+        .info()
+        .unwrap()
+        .verified_instruction_count()
+        .unwrap();
+    let rewrite: &mut SchedClassifier = loaded
+        .program_mut(REWRITE_PROG)
+        .unwrap()
+        .try_into()
+        .unwrap();
+    rewrite.load().unwrap();
+    let rewrite = rewrite
+        .info()
+        .unwrap()
+        .verified_instruction_count()
+        .unwrap();
+    println!("instructions verified: verdict {verdict}, rewrite {rewrite}");
+    assert!(verdict < LIMIT / 4, "verdict: {verdict}");
+    assert!(rewrite < LIMIT / 4, "rewrite: {rewrite}");
+}
