@@ -331,10 +331,14 @@ pub enum RewriteStat {
     /// Rewritten packets with no route to their new destination (or too big for it):
     /// dropped, and left to TCP's retransmission.
     Unroutable = 4,
+    /// Data packets rewritten whose bytes went uncounted: other CPUs moved the entry's
+    /// `next_seq` 8 times in a row while this one tried to (see the program's
+    /// `advance`). Counted also in `Rewritten`.
+    Uncounted = 5,
 }
 
 /// Number of entries in the rewrite statistics array.
-pub const REWRITE_STAT_COUNT: u32 = 5;
+pub const REWRITE_STAT_COUNT: u32 = 6;
 
 impl RewriteStat {
     /// Every statistic, in index order.
@@ -344,6 +348,7 @@ impl RewriteStat {
         RewriteStat::BadOptions,
         RewriteStat::Syn,
         RewriteStat::Unroutable,
+        RewriteStat::Uncounted,
     ];
 
     /// A short label for metrics.
@@ -354,6 +359,7 @@ impl RewriteStat {
             RewriteStat::BadOptions => "bad_options",
             RewriteStat::Syn => "syn",
             RewriteStat::Unroutable => "unroutable",
+            RewriteStat::Uncounted => "uncounted",
         }
     }
 }

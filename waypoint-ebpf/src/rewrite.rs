@@ -168,8 +168,8 @@ fn count(stat: RewriteStat) {
 /// (the sender's thread migrated, and its packets sit in two CPUs' backlogs), and a plain
 /// read-modify-write would count the bytes between the old `next_seq` and each `end`
 /// twice. Each failed exchange means another CPU moved `next_seq` meanwhile; after
-/// [`ADVANCE_TRIES`] of them in a row the bytes go uncounted (and the packet is
-/// rewritten all the same).
+/// [`ADVANCE_TRIES`] of them in a row the bytes go uncounted (`RewriteStat::Uncounted`;
+/// the packet is rewritten all the same).
 #[inline(always)]
 fn advance(r: &mut Rewrite, mut seen: u32, end: u32) {
     // `next_seq` and the zero `_pad` after it, as one little-endian word: its value is
@@ -198,6 +198,9 @@ fn advance(r: &mut Rewrite, mut seen: u32, end: u32) {
             return;
         }
         seen = was as u32;
+    }
+    if !seq_ge(seen, end) {
+        count(RewriteStat::Uncounted);
     }
 }
 
