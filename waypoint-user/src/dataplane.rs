@@ -16,6 +16,7 @@ pub mod copy;
 pub mod ebpf;
 mod flows;
 pub mod links;
+mod map_batch;
 mod park;
 #[cfg(test)]
 mod program_runs;

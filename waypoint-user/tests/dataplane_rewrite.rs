@@ -544,8 +544,9 @@ async fn dropping_a_spliced_connection_resets_both_ends() {
     assert_eq!(e.rewrite_counts().unwrap().0.live, 0);
 }
 
-/// With the rewrite map full (room for one connection), the next connection is refused
-/// and goes through the SockHash path intact; the refusal is counted.
+/// With the rewrite map full (room for one connection and a half), the next connection
+/// is refused and goes through the SockHash path intact; the refusal is counted, and the
+/// one entry of it that fitted is taken out again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_map_refuses_to_the_sockhash_path() {
     common::require_root();
@@ -553,7 +554,9 @@ async fn full_map_refuses_to_the_sockhash_path() {
         ebpf::Ebpf::load(ebpf::Config {
             splice_after: 0,
             rewrite_splice: true,
-            max_sockets: 2,
+            // The map's size too: the second connection's first entry fits, its second
+            // does not.
+            max_sockets: 3,
             ..ebpf::Config::default()
         })
         .unwrap(),
@@ -574,6 +577,11 @@ async fn full_map_refuses_to_the_sockhash_path() {
         counts.refused,
         [0, 0, 0, 1, 0],
         "refused for lack of room (setup)"
+    );
+    assert_eq!(
+        e.rewrite_entries(),
+        2,
+        "the refused connection's entry went"
     );
     for (i, (c, s)) in conns.iter_mut().enumerate() {
         let mut msg = vec![0u8; 100_000];

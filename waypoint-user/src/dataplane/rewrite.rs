@@ -47,7 +47,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use aya::maps::{HashMap, MapData, PerCpuArray};
+use aya::maps::{HashMap, IterableMap as _, MapData, PerCpuArray};
 use tracing::{debug, warn};
 use waypoint_common::{
     Rewrite, RewriteEnd, RewriteKey, RewriteStat, END_CLIENT_RST, END_CLOSED, END_GONE,
@@ -56,7 +56,7 @@ use waypoint_common::{
 
 use super::ebpf::per_cpu_total;
 use super::signals::{Rearm, Signals};
-use super::{End, Limits, Outcome, Socket};
+use super::{map_batch, End, Limits, Outcome, Socket};
 
 /// How long the entries of an ended connection stay: the last ACK, or a retransmitted
 /// FIN, must still be rewritten (an RTO is 200 ms at least, doubling).
@@ -438,16 +438,20 @@ impl Rewriter {
         };
         self.signals.expect(slot);
         let mut map = lock(&self.map);
-        // The pod's direction first: the client's packets are rewritten from the moment
-        // its entry is in, and the pod may answer at once.
-        let inserted = map
-            .insert(entries.from_pod, from_pod, 0)
-            .and_then(|()| map.insert(entries.from_client, from_client, 0));
+        // One call for both. The pod's direction first: the client's packets are
+        // rewritten from the moment its entry is in, and the pod may answer at once.
+        let inserted = map_batch::update(
+            map.map().fd().as_fd(),
+            &[entries.from_pod, entries.from_client],
+            &[from_pod, from_client],
+        );
         if let Err(e) = inserted {
-            let _ = map.remove(&entries.from_pod);
+            if e.done > 0 {
+                let _ = map.remove(&entries.from_pod);
+            }
             drop(map);
             self.signals.unregister(slot);
-            debug!(error = %e, "rewrite hand-over: map insert failed");
+            debug!(error = %e.error, "rewrite hand-over: map insert failed");
             let _ = set_repair(a, TCP_REPAIR_OFF_NO_WP);
             self.pending.fetch_sub(1, Relaxed);
             return Err(Refusal::Setup);
@@ -468,8 +472,14 @@ impl Rewriter {
 
     fn remove(&self, entries: &Entries) {
         let mut map = lock(&self.map);
-        let _ = map.remove(&entries.from_client);
-        let _ = map.remove(&entries.from_pod);
+        let keys = [entries.from_client, entries.from_pod];
+        // One call for both; a missing entry (the program removed both at a SYN) stops
+        // the batch, and the rest go one by one.
+        if let Err(e) = map_batch::delete(map.map().fd().as_fd(), &keys) {
+            for key in keys.iter().skip(e.done) {
+                let _ = map.remove(key);
+            }
+        }
         drop(map);
         self.live.fetch_sub(1, Relaxed);
     }
