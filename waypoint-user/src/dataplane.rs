@@ -11,12 +11,12 @@
 //! passed on as a half-close to the other only after every byte before it; a reset from
 //! one side aborts the other; an idle or over-age connection is closed.
 
+mod bpf_cmd;
 mod btf;
 pub mod copy;
 pub mod ebpf;
 mod flows;
 pub mod links;
-mod map_batch;
 mod park;
 #[cfg(test)]
 mod program_runs;

@@ -20,7 +20,7 @@ use aya::{
 };
 use waypoint_common::{Rewrite, RewriteKey, REWRITES_MAP, REWRITE_PROG, VERDICT_PROG};
 
-use super::ebpf::OBJECT;
+use super::{bpf_cmd, ebpf::OBJECT};
 
 /// `BPF_PROG_TEST_RUN`'s part of `union bpf_attr` (include/uapi/linux/bpf.h).
 #[repr(C)]
@@ -58,22 +58,11 @@ fn run(prog: BorrowedFd<'_>, packet: &[u8]) -> i32 {
         repeat: 1,
         ..TestRun::default()
     };
-    // SAFETY: `attr` is the command's attribute block, of the size passed; the buffers
-    // it points to live for the call and have the sizes it gives.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_PROG_TEST_RUN,
-            &raw mut attr,
-            size_of::<TestRun>(),
-        )
-    };
-    assert_eq!(
-        rc,
-        0,
-        "BPF_PROG_TEST_RUN: {}",
-        std::io::Error::last_os_error()
-    );
+    // SAFETY: `TestRun` is the command's part of `bpf_attr`; the buffers it points to
+    // live for the call and have the sizes it gives.
+    if let Err(e) = unsafe { bpf_cmd::call(BPF_PROG_TEST_RUN, &mut attr) } {
+        panic!("BPF_PROG_TEST_RUN: {e}");
+    }
     attr.retval as i32
 }
 

@@ -56,7 +56,7 @@ use waypoint_common::{
 
 use super::ebpf::per_cpu_total;
 use super::signals::{Rearm, Signals};
-use super::{map_batch, End, Limits, Outcome, Socket};
+use super::{bpf_cmd, End, Limits, Outcome, Socket};
 
 /// How long the entries of an ended connection stay: the last ACK, or a retransmitted
 /// FIN, must still be rewritten (an RTO is 200 ms at least, doubling).
@@ -440,7 +440,7 @@ impl Rewriter {
         let mut map = lock(&self.map);
         // One call for both. The pod's direction first: the client's packets are
         // rewritten from the moment its entry is in, and the pod may answer at once.
-        let inserted = map_batch::update(
+        let inserted = bpf_cmd::update(
             map.map().fd().as_fd(),
             &[entries.from_pod, entries.from_client],
             &[from_pod, from_client],
@@ -475,7 +475,7 @@ impl Rewriter {
         let keys = [entries.from_client, entries.from_pod];
         // One call for both; a missing entry (the program removed both at a SYN) stops
         // the batch, and the rest go one by one.
-        if let Err(e) = map_batch::delete(map.map().fd().as_fd(), &keys) {
+        if let Err(e) = bpf_cmd::delete(map.map().fd().as_fd(), &keys) {
             for key in keys.iter().skip(e.done) {
                 let _ = map.remove(key);
             }

@@ -1,7 +1,8 @@
-//! Several elements of a BPF map inserted or removed in one system call
-//! (`BPF_MAP_UPDATE_BATCH`, `BPF_MAP_DELETE_BATCH`, kernel 5.6+), which aya does not
-//! wrap. The rewrite splice puts in and takes out two entries per connection; one call
-//! instead of two on every connection's setup path.
+//! `bpf(2)` commands aya does not wrap: several elements of a map inserted or removed in
+//! one system call (`BPF_MAP_UPDATE_BATCH`, `BPF_MAP_DELETE_BATCH`, kernel 5.6+; the
+//! rewrite splice puts in and takes out two entries per connection, one call instead of
+//! two on every connection's setup path), and the raw call itself (the tests also run
+//! programs with `BPF_PROG_TEST_RUN`).
 
 use std::{
     io,
@@ -62,22 +63,26 @@ fn run<K: Pod, const N: usize>(
         map_fd: map.as_raw_fd() as u32,
         ..Batch::default()
     };
-    // SAFETY: `attr` is the command's attribute block, of the size passed. `keys` (and
-    // `values`, for an update) hold `count` elements of the map's key (value) type, laid
-    // out as the kernel reads them (`Pod`), and live for the call.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            cmd,
-            &raw mut attr,
-            std::mem::size_of::<Batch>(),
-        )
-    };
-    if rc < 0 {
-        let error = io::Error::last_os_error();
+    // SAFETY: `keys` (and `values`, for an update) hold `count` elements of the map's
+    // key (value) type, laid out as the kernel reads them (`Pod`), and live for the call.
+    if let Err(error) = unsafe { call(cmd, &mut attr) } {
         // The kernel writes back how many it processed.
         let done = attr.count as usize;
         return Err(Partial { done, error });
     }
     Ok(())
+}
+
+/// `bpf(cmd, attr, size_of::<A>())`.
+///
+/// # Safety
+/// `A` must be `cmd`'s part of `union bpf_attr`, and every pointer in `attr` must point
+/// to memory that the command may read or write as it documents, for the call.
+pub unsafe fn call<A>(cmd: libc::c_long, attr: &mut A) -> io::Result<libc::c_long> {
+    // SAFETY: `attr` is a valid block of the size passed; the rest is the caller's.
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, std::ptr::from_mut(attr), size_of::<A>()) };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(rc)
 }
