@@ -193,6 +193,62 @@ async fn pod_reset_reaches_client() {
     assert_eq!(e.rewrite_entries(), 0);
 }
 
+/// A client that reuses its port while its last connection's entries still linger (it
+/// reset that one, so it holds no TIME_WAIT): the SYN makes the program drop the old
+/// entries, the new connection is spliced under the same client 4-tuple, and the old
+/// connection's end, once its linger is over, leaves the new one's entry alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_reusing_its_port_keeps_its_new_connection() {
+    let (dp, e) = load();
+    let back = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut proxy = common::proxy(dp, back.local_addr().unwrap(), HELLO, Limits::default()).await;
+    let addr = proxy.addr;
+    let dial = |port: u16| {
+        let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        s.set_reuse_address(true).unwrap();
+        let local = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+        s.bind(&local.into()).unwrap();
+        s.connect(&addr.into()).unwrap();
+        s.set_nonblocking(true).unwrap();
+        TcpStream::from_std(s.into()).unwrap()
+    };
+    let mut first = dial(0);
+    let port = first.local_addr().unwrap().port();
+    let ((), mut pod_first) = tokio::join!(hello_answered(&mut first), server(&back));
+    socket2::SockRef::from(&first)
+        .set_linger(Some(Duration::ZERO))
+        .unwrap();
+    drop(first);
+    let mut buf = [0u8; 4];
+    let read = pod_first.read(&mut buf).await.map_err(|e| e.kind());
+    assert_eq!(read, Err(std::io::ErrorKind::ConnectionReset));
+    // The first connection's entries linger now; the same 4-tuple again.
+    let mut second = dial(port);
+    let ((), mut pod_second) = tokio::join!(hello_answered(&mut second), server(&back));
+    assert_eq!(stat(&e, RewriteStat::Syn), 1, "the SYN met the old entries");
+    // The first connection's outcome comes once its linger is over and its entries
+    // were removed.
+    let o = common::next_outcome(&mut proxy, Duration::from_secs(30)).await;
+    assert_eq!(o.end, End::DownstreamReset, "{o:?}");
+    second.write_all(b"ping").await.unwrap();
+    let got = tokio::time::timeout(Duration::from_secs(5), pod_second.read_exact(&mut buf)).await;
+    assert!(
+        matches!(got, Ok(Ok(4))),
+        "the new connection still carries bytes: {got:?}"
+    );
+    assert_eq!(&buf, b"ping");
+    pod_second.write_all(b"pong").await.unwrap();
+    second.read_exact(&mut buf).await.unwrap();
+    assert_eq!(&buf, b"pong");
+    let (counts, _) = e.rewrite_counts().unwrap();
+    assert_eq!(counts.spliced, 2, "{counts:?}");
+    drop(second);
+    drop(pod_second);
+    let o = common::next_outcome(&mut proxy, Duration::from_secs(30)).await;
+    assert_eq!(o.downstream_to_upstream, HELLO as u64 + 4, "{o:?}");
+    assert_eq!(e.rewrite_entries(), 0);
+}
+
 /// A half-close passes through: the client shuts its side, the pod reads EOF and goes on
 /// writing, and the client reads all of it before its EOF.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

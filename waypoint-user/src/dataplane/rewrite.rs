@@ -319,7 +319,7 @@ impl Rewriter {
             );
             self.signals.unregister(slot);
             // The pod holds everything up to the hello and waits for the stranded bytes.
-            self.abort(&addrs, &entries, Some(hello_end));
+            self.abort(&addrs, &entries, slot, Some(hello_end));
             // Silent, both: the resets are out.
             let _ = set_repair(b, 1);
             drop(downstream);
@@ -342,7 +342,7 @@ impl Rewriter {
                 // Taking it out of epoll failed, and closed it: its FIN is out of place
                 // in the spliced conversation.
                 self.signals.unregister(slot);
-                self.abort(&addrs, &entries, None);
+                self.abort(&addrs, &entries, slot, None);
                 return Ok(Err(e));
             }
         };
@@ -470,15 +470,33 @@ impl Rewriter {
         lock(&self.map).get(key, 0).ok()
     }
 
-    fn remove(&self, entries: &Entries) {
+    /// Removes the connection's entries (`slot`'s). The client's 4-tuple may belong to
+    /// a new connection by now: a SYN with it made the program remove ours, and the new
+    /// connection's hand-over put in its own under the same key (the client reused its
+    /// port within the linger). That entry is not ours to remove: its slot tells. (A SYN
+    /// landing between the look and the removal, microseconds apart, is not caught.)
+    fn remove(&self, entries: &Entries, slot: u32) {
+        let client_ours = self
+            .get(&entries.from_client)
+            .is_some_and(|c| c.slot == slot);
+        self.remove_known(entries, client_ours);
+    }
+
+    /// Removes the pod's entry, and the client's too if `client_ours` (see
+    /// [`Rewriter::remove`]). The pod's 4-tuple is ours alone: B holds it until after.
+    fn remove_known(&self, entries: &Entries, client_ours: bool) {
         let mut map = lock(&self.map);
-        let keys = [entries.from_client, entries.from_pod];
-        // One call for both; a missing entry (the program removed both at a SYN) stops
-        // the batch, and the rest go one by one.
-        if let Err(e) = bpf_cmd::delete(map.map().fd().as_fd(), &keys) {
-            for key in keys.iter().skip(e.done) {
-                let _ = map.remove(key);
+        if client_ours {
+            let keys = [entries.from_client, entries.from_pod];
+            // One call for both; a missing entry stops the batch, and the rest go one
+            // by one.
+            if let Err(e) = bpf_cmd::delete(map.map().fd().as_fd(), &keys) {
+                for key in keys.iter().skip(e.done) {
+                    let _ = map.remove(key);
+                }
             }
+        } else {
+            let _ = map.remove(&entries.from_pod);
         }
         drop(map);
         self.live.fetch_sub(1, Relaxed);
@@ -514,10 +532,19 @@ impl Rewriter {
     /// Removes the entries and resets both ends, each at the sequence number it expects
     /// next (what the program saw the other end send, moved into its number space), or
     /// the pod at `pod_seq`. Returns the bytes each direction carried.
-    fn abort(&self, addrs: &Addrs, entries: &Entries, pod_seq: Option<u32>) -> (u64, u64) {
-        let c = self.get(&entries.from_client);
+    ///
+    /// The client's entry counts only if it is `slot`'s (see [`Rewriter::remove`]): a
+    /// new connection's client is not reset.
+    fn abort(
+        &self,
+        addrs: &Addrs,
+        entries: &Entries,
+        slot: u32,
+        pod_seq: Option<u32>,
+    ) -> (u64, u64) {
+        let c = self.get(&entries.from_client).filter(|c| c.slot == slot);
         let p = self.get(&entries.from_pod);
-        self.remove(entries);
+        self.remove_known(entries, c.is_some());
         let mut sent = 0;
         if let Some(p) = p {
             let seq = p.next_seq.wrapping_add(p.seq_add);
@@ -570,7 +597,7 @@ impl Drop for Undo<'_> {
         debug!(client = %self.addrs.client, "rewrite hand-over dropped half-way: both ends reset");
         self.rewriter.signals.unregister(self.slot);
         self.rewriter
-            .abort(&self.addrs, &self.addrs.entries(), None);
+            .abort(&self.addrs, &self.addrs.entries(), self.slot, None);
         // B is still open: its owner drops after this guard.
         let _ = set_repair(self.b, 1);
     }
@@ -690,10 +717,10 @@ impl Conn {
         let entries = self.addrs.entries();
         let (d2u, u2d) = match bytes {
             Some(bytes) => {
-                self.rewriter.remove(&entries);
+                self.rewriter.remove(&entries, self.slot);
                 bytes
             }
-            None => self.rewriter.abort(&self.addrs, &entries, None),
+            None => self.rewriter.abort(&self.addrs, &entries, self.slot, None),
         };
         // Silent: the pod learnt of the end from the client, or from its reset.
         let _ = set_repair(self.upstream.as_raw_fd(), 1);
@@ -795,10 +822,10 @@ impl Drop for Conn {
         match self.phase {
             Phase::Done => return,
             // Ended by itself; only the linger was cut short.
-            Phase::Ended { .. } => self.rewriter.remove(&entries),
+            Phase::Ended { .. } => self.rewriter.remove(&entries, self.slot),
             Phase::Live { .. } => {
                 debug!(client = %self.addrs.client, "spliced connection ended by the daemon: both ends reset");
-                self.rewriter.abort(&self.addrs, &entries, None);
+                self.rewriter.abort(&self.addrs, &entries, self.slot, None);
             }
         }
         let _ = set_repair(self.upstream.as_raw_fd(), 1);
