@@ -364,6 +364,59 @@ impl RewriteStat {
     }
 }
 
+/// Name of the SOCK_OPS program that records the sequence numbers of the daemon's
+/// sockets when they are established (see [`Established`]).
+pub const ESTABLISHED_PROG: &str = "waypoint_established";
+/// Name of the socket-local storage ([`Established`] per socket) that the program fills.
+/// Created with `BPF_F_CLONE`: a listener's record is copied into every socket it
+/// accepts, which is how the program knows the daemon's accepted sockets.
+pub const ESTABLISHED_MAP: &str = "ESTABLISHED";
+/// Name of the global holding the offset of `sk` in `struct bpf_sock_ops_kern` (0:
+/// unknown; timestamps offsets are then not recorded).
+pub const SOCK_OPS_SK_OFFSET: &str = "SOCK_OPS_SK_OFFSET";
+/// Name of the global holding the offset of `tsoffset` in `struct tcp_sock` (0: unknown).
+pub const TCP_TSOFFSET_OFFSET: &str = "TCP_TSOFFSET_OFFSET";
+
+/// What the established program records of a socket the daemon marked (a record in the
+/// socket's storage, all zero, put there by the daemon before the socket connects, or
+/// copied from its listener), at the moment the handshake completes. It lets the rewrite
+/// hand-over compute both sockets' sequence numbers from `TCP_INFO`'s byte counters
+/// instead of reading them in repair mode, and their addresses without asking.
+///
+/// Both bases are invariants of the socket: the kernel advances `snd_una` with
+/// `bytes_acked` and `rcv_nxt` with `bytes_received` (a FIN included in each), and only
+/// repair mode sets them otherwise.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Established {
+    /// `snd_una - bytes_acked`: the sequence number after the socket's SYN.
+    pub snd_base: u32,
+    /// `rcv_nxt - bytes_received`: the sequence number after the peer's SYN.
+    pub rcv_base: u32,
+    /// `tsoffset`: what the socket adds to the clock for its TCP timestamps
+    /// ([`ESTABLISHED_TS_OFFSET`] says it was read).
+    pub ts_offset: u32,
+    /// The socket's own IPv4 address, network byte order ([`ESTABLISHED_V4`]).
+    pub local_ip4: u32,
+    /// The peer's IPv4 address, network byte order ([`ESTABLISHED_V4`]).
+    pub remote_ip4: u32,
+    /// The socket's own port, host byte order.
+    pub local_port: u16,
+    /// The peer's port, host byte order.
+    pub remote_port: u16,
+    /// [`ESTABLISHED_SET`], [`ESTABLISHED_V4`], [`ESTABLISHED_TS_OFFSET`].
+    pub flags: u32,
+}
+const _: () = assert!(core::mem::size_of::<Established>() == 28);
+
+/// [`Established::flags`]: the program filled the record (the socket is established).
+pub const ESTABLISHED_SET: u32 = 1;
+/// [`Established::flags`]: the connection is IPv4 (or IPv4-mapped IPv6); the addresses
+/// are set.
+pub const ESTABLISHED_V4: u32 = 2;
+/// [`Established::flags`]: [`Established::ts_offset`] was read.
+pub const ESTABLISHED_TS_OFFSET: u32 = 4;
+
 #[cfg(feature = "user")]
 mod pod {
     // SAFETY: #[repr(C)], made only of integer fields laid out without padding, and valid
@@ -376,4 +429,7 @@ mod pod {
     // SAFETY: as above: #[repr(C)] integers with explicit padding (72 bytes).
     #[allow(unsafe_code, reason = "aya::Pod is an unsafe marker trait")]
     unsafe impl aya::Pod for super::Rewrite {}
+    // SAFETY: as above: #[repr(C)] integers, no implicit padding (28 bytes).
+    #[allow(unsafe_code, reason = "aya::Pod is an unsafe marker trait")]
+    unsafe impl aya::Pod for super::Established {}
 }

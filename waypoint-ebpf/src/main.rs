@@ -21,6 +21,7 @@
 #![feature(core_intrinsics)]
 #![allow(internal_features)]
 
+mod established;
 mod rewrite;
 
 use aya_ebpf::{

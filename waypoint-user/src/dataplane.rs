@@ -15,6 +15,7 @@ mod bpf_cmd;
 mod btf;
 pub mod copy;
 pub mod ebpf;
+mod established;
 mod flows;
 pub mod links;
 mod park;
@@ -187,6 +188,17 @@ impl Dataplane {
             Dataplane::Ebpf(_) => Kind::Ebpf,
             Dataplane::Splice(_) => Kind::Splice,
             Dataplane::Copy(_) => Kind::Copy,
+        }
+    }
+
+    /// Tells the dataplane about a listener whose accepted sockets it will forward, or a
+    /// socket about to connect to a pod, before the handshake: the rewrite splice has
+    /// the kernel record the sequence numbers of such sockets then (see
+    /// `dataplane/established.rs`), which spares the hand-over reading them. Optional:
+    /// a socket not marked is read at the hand-over instead.
+    pub fn mark(&self, socket: std::os::fd::BorrowedFd<'_>) {
+        if let Dataplane::Ebpf(e) = self {
+            e.mark(socket);
         }
     }
 

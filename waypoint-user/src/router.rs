@@ -91,13 +91,14 @@ pub(crate) fn listen(addr: SocketAddr, backlog: u32) -> std::io::Result<TcpListe
 /// TCP_INFO read then spares the wait for writability that tokio's `connect` makes:
 /// another turn of the worker's event loop, and an SO_ERROR read, per connection.
 /// The socket is registered with the reactor only if it had to be waited for (see
-/// [`Socket`]).
-async fn connect(addr: SocketAddr) -> std::io::Result<Socket> {
+/// [`Socket`]). The dataplane sees it before the handshake ([`Dataplane::mark`]).
+async fn connect(addr: SocketAddr, dataplane: &Dataplane) -> std::io::Result<Socket> {
     let socket = socket2::Socket::new(
         socket2::Domain::for_address(addr),
         socket2::Type::STREAM.nonblocking().cloexec(),
         None,
     )?;
+    dataplane.mark(std::os::fd::AsFd::as_fd(&socket));
     match socket.connect(&addr.into()) {
         Ok(()) => {}
         Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {
@@ -380,6 +381,8 @@ impl Router {
         kill: CancellationToken,
         tracker: TaskTracker,
     ) {
+        self.dataplane
+            .mark(std::os::fd::AsFd::as_fd(listener.get_ref()));
         if let Ok(addr) = listener.get_ref().local_addr() {
             debug!(%addr, worker, dataplane = self.dataplane.kind().as_str(), "tunnel listener accepting");
         }
@@ -560,7 +563,7 @@ impl Router {
                 self.metrics.upstream_retries.inc();
             }
             let addr = SocketAddr::new(ep.pod_ip, cfg.pod_port);
-            match tokio::time::timeout(cfg.connect_timeout, connect(addr)).await {
+            match tokio::time::timeout(cfg.connect_timeout, connect(addr, &self.dataplane)).await {
                 Ok(Ok(up)) => {
                     debug!(pod = %addr, node = %ep.node_name, "routed");
                     return Ok((up, lease));
@@ -586,7 +589,9 @@ mod tests {
     async fn connect_returns_established_streams_and_errors() {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
-        let stream = connect(addr).await.unwrap();
+        let stream = connect(addr, &Dataplane::Copy(dataplane::copy::Copy))
+            .await
+            .unwrap();
         let info = dataplane::tcp_info(&stream).unwrap();
         assert_eq!(info.tcpi_state, dataplane::TCP_ESTABLISHED);
         // Done inside `connect(2)`: not registered with the reactor.
@@ -594,7 +599,9 @@ mod tests {
         let peer = socket2::SockRef::from(&stream).peer_addr().unwrap();
         assert_eq!(peer.as_socket(), Some(addr));
         drop(listener);
-        let refused = connect(addr).await.unwrap_err();
+        let refused = connect(addr, &Dataplane::Copy(dataplane::copy::Copy))
+            .await
+            .unwrap_err();
         assert_eq!(refused.kind(), std::io::ErrorKind::ConnectionRefused);
     }
 
@@ -609,11 +616,13 @@ mod tests {
             .unwrap();
         socket.listen(0).unwrap();
         let addr = socket.local_addr().unwrap().as_socket().unwrap();
+        let copy = Dataplane::Copy(dataplane::copy::Copy);
         // Fill the accept queue (backlog 0 holds one) and never accept.
         let mut held = Vec::new();
         let mut pending = None;
         for _ in 0..8 {
-            let attempt = tokio::time::timeout(Duration::from_millis(300), connect(addr)).await;
+            let attempt =
+                tokio::time::timeout(Duration::from_millis(300), connect(addr, &copy)).await;
             match attempt {
                 Ok(Ok(s)) => held.push(s),
                 Ok(Err(e)) => panic!("connect failed: {e}"),

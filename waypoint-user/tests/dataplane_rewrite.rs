@@ -143,9 +143,33 @@ async fn bulk_256mib_each_way_intact() {
 /// Request/response: 2,000 echoes of varying sizes, each checked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn echoes_are_intact() {
+    echoes(true).await;
+}
+
+/// The same with sockets the dataplane did not see before their handshakes: their
+/// sequence numbers are read in repair mode instead of computed from the records.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echoes_are_intact_read_in_repair_mode() {
+    echoes(false).await;
+}
+
+/// A proxy whose sockets are marked for their handshake records, or not.
+async fn proxy_marked(
+    mark: bool,
+    dp: Arc<Dataplane>,
+    upstream: std::net::SocketAddr,
+) -> common::Proxy {
+    if mark {
+        common::proxy(dp, upstream, HELLO, Limits::default()).await
+    } else {
+        common::proxy_unmarked(dp, upstream, HELLO, Limits::default()).await
+    }
+}
+
+async fn echoes(mark: bool) {
     let (dp, e) = load();
     let back = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let mut proxy = common::proxy(dp, back.local_addr().unwrap(), HELLO, Limits::default()).await;
+    let mut proxy = proxy_marked(mark, dp, back.local_addr().unwrap()).await;
     let addr = proxy.addr;
     let pod = echo_pod(&back);
     let cl = async {
@@ -157,7 +181,11 @@ async fn echoes_are_intact() {
     assert_eq!(outcome.end, End::Closed);
     assert_eq!(outcome.downstream_to_upstream, total + HELLO as u64);
     assert_eq!(outcome.upstream_to_downstream, total + 1);
-    assert_eq!(e.rewrite_counts().unwrap().0.spliced, 1);
+    let counts = e.rewrite_counts().unwrap().0;
+    assert_eq!(counts.spliced, 1);
+    // The sequence numbers came from the handshake records (see `established.rs`), or
+    // from repair mode.
+    assert_eq!(counts.recorded, u64::from(mark));
     assert_eq!(e.rewrite_entries(), 0);
 }
 
@@ -288,11 +316,21 @@ async fn half_close_passes_through() {
 /// order and then EOF, or one of the two ends sees a reset.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eager_clients_lose_nothing_silently() {
+    eager_clients(true).await;
+}
+
+/// The same, with the sequence numbers read in repair mode (sockets not marked).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eager_clients_lose_nothing_silently_read_in_repair_mode() {
+    eager_clients(false).await;
+}
+
+async fn eager_clients(mark: bool) {
     const CONNS: u64 = 30;
     const STREAM: u64 = 2 << 20;
     let (dp, e) = load();
     let back = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let proxy = common::proxy(dp, back.local_addr().unwrap(), HELLO, Limits::default()).await;
+    let proxy = proxy_marked(mark, dp, back.local_addr().unwrap()).await;
     let addr = proxy.addr;
     let mut intact = 0;
     let mut reset = 0;
@@ -370,6 +408,8 @@ async fn eager_clients_lose_nothing_silently() {
         reset, counts.stranded,
         "a reset only where the hand-over found stranded bytes"
     );
+    let expected = if mark { counts.spliced } else { 0 };
+    assert_eq!(counts.recorded, expected);
 }
 
 /// Reads until the stream fails or ends: the error kind, or None at EOF.
@@ -407,6 +447,17 @@ async fn both_reset(
 /// resets both ends, at sequence numbers each accepts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stranded_bytes_reset_both_ends() {
+    stranded(true).await;
+}
+
+/// The same, with the sequence numbers read in repair mode (sockets not marked): the
+/// check reads the receive queues' sequence numbers instead of `TCP_INFO`'s counters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stranded_bytes_reset_both_ends_read_in_repair_mode() {
+    stranded(false).await;
+}
+
+async fn stranded(mark: bool) {
     common::require_root();
     let e = Arc::new(
         ebpf::Ebpf::load(ebpf::Config {
@@ -419,7 +470,7 @@ async fn stranded_bytes_reset_both_ends() {
     );
     let dp = Arc::new(Dataplane::Ebpf(e.clone()));
     let back = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let mut proxy = common::proxy(dp, back.local_addr().unwrap(), HELLO, Limits::default()).await;
+    let mut proxy = proxy_marked(mark, dp, back.local_addr().unwrap()).await;
     let addr = proxy.addr;
     let held = e.clone();
     // On its own thread, not a worker: the pause blocks the worker that runs the
@@ -457,6 +508,7 @@ async fn stranded_bytes_reset_both_ends() {
         (counts.spliced, counts.stranded, counts.live, counts.pending),
         (1, 1, 0, 0)
     );
+    assert_eq!(counts.recorded, u64::from(mark));
     assert_eq!(e.rewrite_entries(), 0);
 }
 

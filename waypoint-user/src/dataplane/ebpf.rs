@@ -23,7 +23,7 @@ use std::{
     future::Future,
     io::{self, Write as _},
     net::TcpStream as StdTcpStream,
-    os::fd::{AsFd, AsRawFd},
+    os::fd::{AsFd, AsRawFd, BorrowedFd},
     pin::{pin, Pin},
     sync::{
         atomic::{AtomicU64, Ordering::Relaxed},
@@ -48,9 +48,10 @@ use tracing::{debug, info, trace, warn};
 use waypoint_common::{
     Rewrite, RewriteKey, RewriteStat, Stat, ENDS_MAP, FLOWS_MAP, PEERS_MAP, REWRITES_MAP,
     REWRITE_PROG, REWRITE_STATS_MAP, SIGNALS_MAP, SKB_SEQ_OFFSET, SKB_SK_OFFSET, SLOTS_MAP,
-    STATS_MAP, TCP_COPIED_SEQ_OFFSET, VERDICT_PROG,
+    SOCK_OPS_SK_OFFSET, STATS_MAP, TCP_COPIED_SEQ_OFFSET, TCP_TSOFFSET_OFFSET, VERDICT_PROG,
 };
 
+use super::established::Records;
 use super::flows::{self, Budget, FlowCell, FlowRef, FlowTable};
 use super::links;
 use super::rewrite::{self, Rewriter};
@@ -220,6 +221,10 @@ struct KernelOffsets {
     skb_sk: u32,
     /// `copied_seq` in `struct tcp_sock`.
     tcp_copied_seq: u32,
+    /// `sk` in `struct bpf_sock_ops_kern` and `tsoffset` in `struct tcp_sock`, for the
+    /// established program (0, 0: its records carry no timestamp offset).
+    sock_ops_sk: u32,
+    tcp_tsoffset: u32,
 }
 
 impl KernelOffsets {
@@ -230,6 +235,19 @@ impl KernelOffsets {
                 + btf.member_offset("tcp_skb_cb", "seq")?,
             skb_sk: btf.member_offset("sk_buff", "sk")?,
             tcp_copied_seq: btf.member_offset("tcp_sock", "copied_seq")?,
+            // Apart: without them only the timestamp offsets are read with a socket
+            // option at each hand-over.
+            ..match (
+                btf.member_offset("bpf_sock_ops_kern", "sk"),
+                btf.member_offset("tcp_sock", "tsoffset"),
+            ) {
+                (Ok(sock_ops_sk), Ok(tcp_tsoffset)) => KernelOffsets {
+                    sock_ops_sk,
+                    tcp_tsoffset,
+                    ..KernelOffsets::default()
+                },
+                _ => KernelOffsets::default(),
+            }
         })
     }
 }
@@ -383,6 +401,8 @@ impl Ebpf {
             .override_global(SKB_SEQ_OFFSET, &o.skb_seq, true)
             .override_global(SKB_SK_OFFSET, &o.skb_sk, true)
             .override_global(TCP_COPIED_SEQ_OFFSET, &o.tcp_copied_seq, true)
+            .override_global(SOCK_OPS_SK_OFFSET, &o.sock_ops_sk, true)
+            .override_global(TCP_TSOFFSET_OFFSET, &o.tcp_tsoffset, true)
             .load(OBJECT)?;
         let take = |loaded: &mut Loaded, name: &'static str| {
             loaded
@@ -436,10 +456,22 @@ impl Ebpf {
                 .ok_or_else(|| map_error("program", "rewrite classifier missing from the object"))?
                 .try_into()?;
             prog.load().map_err(Error::Rewrite)?;
+            let records = match Records::attach(&mut loaded) {
+                Ok(r) => Some(r),
+                Err(e) => {
+                    warn!(
+                        error = %e,
+                        "sockets' handshakes not recorded: the rewrite hand-over reads their \
+                         sequence numbers with socket options (about 17 more system calls per \
+                         connection)"
+                    );
+                    None
+                }
+            };
             let ends: RingBuf<MapData> = take(&mut loaded, ENDS_MAP)?
                 .try_into()
                 .map_err(|e| map_error(ENDS_MAP, e))?;
-            Some((map, rstats, ends))
+            Some((map, rstats, ends, records))
         } else {
             None
         };
@@ -451,16 +483,17 @@ impl Ebpf {
             None => None,
         };
         let (rewrite, ends) = match rewrite {
-            Some((map, rstats, ends)) => (Some((map, rstats)), Some(ends)),
+            Some((map, rstats, ends, records)) => (Some((map, rstats, records)), Some(ends)),
             None => (None, None),
         };
         let signals = Signals::start(ring, ends, signal_stats)?;
-        let rewrite = rewrite.map(|(map, rstats)| {
+        let rewrite = rewrite.map(|(map, rstats, records)| {
             Arc::new(Rewriter::new(
                 map,
                 rstats,
                 signals.clone(),
                 config.rewrite_handover_pause,
+                records,
             ))
         });
         info!(
@@ -525,6 +558,14 @@ impl Ebpf {
     /// [`RewriteStat::ALL`] order); None without `rewrite_splice`.
     pub fn rewrite_counts(&self) -> Option<(rewrite::Counts, Vec<(RewriteStat, u64)>)> {
         self.rewrite.as_ref().map(|r| (r.counts(), r.stats()))
+    }
+
+    /// Marks a listener (for the sockets it accepts) or a socket about to connect for
+    /// the rewrite hand-over (see `established.rs`); nothing without the rewrite splice.
+    pub fn mark(&self, socket: BorrowedFd<'_>) {
+        if let Some(r) = &self.rewrite {
+            r.mark(socket);
+        }
     }
 
     /// The rewrite program's attachments to the interfaces; None without the rewrite

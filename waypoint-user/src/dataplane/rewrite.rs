@@ -37,7 +37,7 @@ use std::{
     future::Future,
     io,
     net::{SocketAddr, SocketAddrV4},
-    os::fd::{AsFd, AsRawFd, OwnedFd, RawFd},
+    os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd},
     pin::Pin,
     sync::{
         atomic::{AtomicU32, AtomicU64, Ordering::Relaxed},
@@ -50,11 +50,13 @@ use std::{
 use aya::maps::{HashMap, IterableMap as _, MapData, PerCpuArray};
 use tracing::{debug, warn};
 use waypoint_common::{
-    Rewrite, RewriteEnd, RewriteKey, RewriteStat, END_CLIENT_RST, END_CLOSED, END_GONE,
-    END_POD_RST, REWRITE_FIN, REWRITE_FROM_POD, REWRITE_RST, REWRITE_SLOT_BASE, REWRITE_WATCH,
+    Established, Rewrite, RewriteEnd, RewriteKey, RewriteStat, END_CLIENT_RST, END_CLOSED,
+    END_GONE, END_POD_RST, ESTABLISHED_TS_OFFSET, ESTABLISHED_V4, REWRITE_FIN, REWRITE_FROM_POD,
+    REWRITE_RST, REWRITE_SLOT_BASE, REWRITE_WATCH,
 };
 
 use super::ebpf::per_cpu_total;
+use super::established::Records;
 use super::signals::{Rearm, Signals};
 use super::{bpf_cmd, End, Limits, Outcome, Socket};
 
@@ -154,6 +156,9 @@ pub struct Counts {
     pub live: u64,
     /// Hand-overs under way: from reading the sequence numbers to the grace check.
     pub pending: u64,
+    /// Hand-overs that computed the sequence numbers from the sockets' handshake records
+    /// (the others read them in repair mode).
+    pub recorded: u64,
 }
 
 /// The rewrite splice: the program's map and statistics, attached by [`super::ebpf`].
@@ -172,6 +177,10 @@ pub(super) struct Rewriter {
     pending: AtomicU64,
     /// See `ebpf::Config::rewrite_handover_pause`.
     pause: Option<Duration>,
+    /// The sockets' records of their handshakes, when the program is attached.
+    records: Option<Records>,
+    /// Hand-overs that took their sequence numbers from the records.
+    recorded: AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -185,9 +194,38 @@ struct Prepared {
     entries: Entries,
     slot: u32,
     hello_end: u32,
-    /// A's and B's `rcv_nxt` when the sequence numbers were read.
-    a_rcv: u32,
-    b_rcv: u32,
+    /// How step 3 tells whether a packet landed in A or B.
+    probe: Probe,
+}
+
+/// What step 3 compares, read when the sequence numbers were.
+#[derive(Clone, Copy)]
+enum Probe {
+    /// A's and B's `rcv_nxt`, read from their selected receive queues ([`snapshot`]).
+    Queues { a_rcv: u32, b_rcv: u32 },
+    /// A's and B's `TCP_INFO` byte counters (sequence numbers from the records).
+    Received { a: u64, b: u64 },
+}
+
+impl Probe {
+    /// Whether A or B received anything since; true also when that cannot be read.
+    fn moved(self, downstream: &Socket, upstream: &Socket) -> bool {
+        match self {
+            Probe::Queues { a_rcv, b_rcv } => {
+                match (
+                    selected_seq(downstream.as_raw_fd()),
+                    selected_seq(upstream.as_raw_fd()),
+                ) {
+                    (Ok(a), Ok(b)) => a != a_rcv || b != b_rcv,
+                    _ => true,
+                }
+            }
+            Probe::Received { a, b } => match (info(downstream), info(upstream)) {
+                (Ok(x), Ok(y)) => x.bytes_received != a || y.bytes_received != b,
+                _ => true,
+            },
+        }
+    }
 }
 
 /// One direction's key and value, and the other's.
@@ -203,6 +241,7 @@ impl Rewriter {
         stats: PerCpuArray<MapData, u64>,
         signals: Arc<Signals>,
         pause: Option<Duration>,
+        records: Option<Records>,
     ) -> Self {
         Rewriter {
             map: Mutex::new(map),
@@ -216,6 +255,19 @@ impl Rewriter {
             live: AtomicU64::new(0),
             pending: AtomicU64::new(0),
             pause,
+            records,
+            recorded: AtomicU64::new(0),
+        }
+    }
+
+    /// Marks a listener (for the sockets it accepts) or a socket about to connect, so
+    /// that the hand-over finds its record (see [`Records`]). Without one it reads the
+    /// socket instead.
+    pub fn mark(&self, socket: BorrowedFd<'_>) {
+        if let Some(r) = &self.records {
+            if let Err(e) = r.mark(socket) {
+                debug!(error = %e, "rewrite: marking a socket for its handshake record failed");
+            }
         }
     }
 
@@ -227,6 +279,7 @@ impl Rewriter {
             stranded: self.stranded.load(Relaxed),
             live: self.live.load(Relaxed),
             pending: self.pending.load(Relaxed),
+            recorded: self.recorded.load(Relaxed),
         }
     }
 
@@ -280,10 +333,9 @@ impl Rewriter {
             entries,
             slot,
             hello_end,
-            a_rcv,
-            b_rcv,
+            probe,
         } = p;
-        let (a, b) = (downstream.as_raw_fd(), upstream.as_raw_fd());
+        let b = upstream.as_raw_fd();
         self.live.fetch_add(1, Relaxed);
         self.spliced.fetch_add(1, Relaxed);
         // Declared before the guard, so that it closes after the guard ran.
@@ -302,11 +354,7 @@ impl Rewriter {
         // Step 3: after a grace period, nothing that passed the program before the
         // entries were in is still on its way to A or B.
         self.grace.wait().await;
-        // Both sockets still have their receive queue selected (see `snapshot`).
-        let stranded = match (&sent, selected_seq(a), selected_seq(b)) {
-            (Ok(()), Ok(a_now), Ok(b_now)) => a_now != a_rcv || b_now != b_rcv,
-            _ => true,
-        };
+        let stranded = sent.is_err() || probe.moved(&downstream, &upstream);
         self.pending.fetch_sub(1, Relaxed);
         undo.pending = false;
         undo.armed = false;
@@ -366,11 +414,20 @@ impl Rewriter {
         upstream: &Socket,
         initial: &[u8],
     ) -> Result<Prepared, Refusal> {
-        let addrs = Addrs::of(downstream, upstream).ok_or(Refusal::NotIpv4)?;
+        // Both sockets' records, or neither: read from the sockets then.
+        let recorded = self
+            .records
+            .as_ref()
+            .and_then(|r| Some((r.get(downstream.as_fd())?, r.get(upstream.as_fd())?)));
+        let addrs = match &recorded {
+            Some((ra, rb)) => Addrs::recorded(ra, rb),
+            None => Addrs::of(downstream, upstream),
+        }
+        .ok_or(Refusal::NotIpv4)?;
         if addrs.client_here() != addrs.pod_here() {
             return Err(Refusal::Local);
         }
-        let (a, b) = (downstream.as_raw_fd(), upstream.as_raw_fd());
+        let a = downstream.as_raw_fd();
         let (Ok(info_a), Ok(info_b)) = (info(downstream), info(upstream)) else {
             return Err(Refusal::Setup);
         };
@@ -386,28 +443,68 @@ impl Rewriter {
         if info_b.bytes_received != 0 {
             return Err(Refusal::Busy);
         }
-        let seqs = match snapshot(downstream, upstream) {
-            Ok(Some(s)) => {
+        let (seqs, probe, recorded_ts) = match recorded {
+            Some((ra, rb)) => {
+                // A received exactly what the router read from it: nothing unread (a
+                // client that streams on, see `snapshot`), no FIN. Nothing waits in
+                // either send queue.
+                if info_a.bytes_received != initial.len() as u64
+                    || info_a.notsent != 0
+                    || info_b.notsent != 0
+                {
+                    return Err(Refusal::Busy);
+                }
+                // Only so that A closes silently at step 4 (or at an abort).
+                if let Err(e) = set_repair(a, 1) {
+                    debug!(error = %e, "rewrite hand-over: repair mode failed");
+                    return Err(Refusal::Setup);
+                }
                 self.pending.fetch_add(1, Relaxed);
-                s
+                self.recorded.fetch_add(1, Relaxed);
+                let seq = |base: u32, count: u64| base.wrapping_add(count as u32);
+                let seqs = Seqs {
+                    a_snd: seq(ra.snd_base, info_a.bytes_acked),
+                    a_rcv: seq(ra.rcv_base, info_a.bytes_received),
+                    b_snd: seq(rb.snd_base, info_b.bytes_acked),
+                    b_rcv: seq(rb.rcv_base, info_b.bytes_received),
+                };
+                let probe = Probe::Received {
+                    a: info_a.bytes_received,
+                    b: info_b.bytes_received,
+                };
+                let ts = (ra.flags & rb.flags & ESTABLISHED_TS_OFFSET != 0)
+                    .then_some((ra.ts_offset, rb.ts_offset));
+                (seqs, probe, ts)
             }
-            Ok(None) => return Err(Refusal::Busy),
-            Err(e) => {
-                debug!(error = %e, "rewrite hand-over: socket options failed");
-                let _ = set_repair(a, TCP_REPAIR_OFF_NO_WP);
-                return Err(Refusal::Setup);
-            }
+            None => match snapshot(downstream, upstream) {
+                Ok(Some(s)) => {
+                    self.pending.fetch_add(1, Relaxed);
+                    let probe = Probe::Queues {
+                        a_rcv: s.a_rcv,
+                        b_rcv: s.b_rcv,
+                    };
+                    (s, probe, None)
+                }
+                Ok(None) => return Err(Refusal::Busy),
+                Err(e) => {
+                    debug!(error = %e, "rewrite hand-over: socket options failed");
+                    let _ = set_repair(a, TCP_REPAIR_OFF_NO_WP);
+                    return Err(Refusal::Setup);
+                }
+            },
         };
         let timestamps = info_a.options & TCPI_OPT_TIMESTAMPS != 0;
-        let (ts_a, ts_b) = if timestamps {
-            let (Ok(x), Ok(y)) = (ts_clock(a), ts_clock(b)) else {
-                let _ = set_repair(a, TCP_REPAIR_OFF_NO_WP);
-                self.pending.fetch_sub(1, Relaxed);
-                return Err(Refusal::Setup);
-            };
-            (x, y)
-        } else {
-            (0, 0)
+        let (ts_a, ts_b) = match (timestamps, recorded_ts) {
+            (false, _) => (0, 0),
+            (true, Some(ts)) => ts,
+            (true, None) => {
+                let (Ok(x), Ok(y)) = (ts_clock(a), ts_clock(upstream.as_raw_fd())) else {
+                    let _ = set_repair(a, TCP_REPAIR_OFF_NO_WP);
+                    self.pending.fetch_sub(1, Relaxed);
+                    return Err(Refusal::Setup);
+                };
+                (x, y)
+            }
         };
         if let Some(pause) = self.pause {
             // Tests only (a blocking sleep: the hand-over has no await before here).
@@ -461,8 +558,7 @@ impl Rewriter {
             entries,
             slot,
             hello_end,
-            a_rcv: seqs.a_rcv,
-            b_rcv: seqs.b_rcv,
+            probe,
         })
     }
 
@@ -862,6 +958,20 @@ impl Addrs {
         self.pod.ip().is_loopback() || self.pod.ip() == self.b_local.ip()
     }
 
+    /// From the sockets' records (IPv4 only).
+    fn recorded(a: &Established, b: &Established) -> Option<Addrs> {
+        if a.flags & b.flags & ESTABLISHED_V4 == 0 {
+            return None;
+        }
+        let v4 = |ip: u32, port: u16| SocketAddrV4::new(ip.to_ne_bytes().into(), port);
+        Some(Addrs {
+            client: v4(a.remote_ip4, a.remote_port),
+            a_local: v4(a.local_ip4, a.local_port),
+            b_local: v4(b.local_ip4, b.local_port),
+            pod: v4(b.remote_ip4, b.remote_port),
+        })
+    }
+
     fn of(downstream: &Socket, upstream: &Socket) -> Option<Addrs> {
         let v4 = |a: io::Result<socket2::SockAddr>| match a.ok()?.as_socket()? {
             SocketAddr::V4(a) => Some(a),
@@ -890,15 +1000,16 @@ fn key(from: SocketAddrV4, to: SocketAddrV4) -> RewriteKey {
 }
 
 /// Sequence numbers at the hand-over.
-struct Seqs {
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct Seqs {
     /// A's next byte to send (the client's next ack).
-    a_snd: u32,
+    pub a_snd: u32,
     /// A's next byte expected from the client.
-    a_rcv: u32,
+    pub a_rcv: u32,
     /// B's next byte to send.
-    b_snd: u32,
+    pub b_snd: u32,
     /// B's next byte expected from the pod.
-    b_rcv: u32,
+    pub b_rcv: u32,
 }
 
 /// Step 1: A into repair mode with nothing unread, and both sockets' sequence numbers.
@@ -910,7 +1021,7 @@ struct Seqs {
 ///
 /// Leaves both sockets with their receive queue selected, so that step 3 reads their
 /// `rcv_nxt` with one call each ([`selected_seq`]).
-fn snapshot(downstream: &Socket, upstream: &Socket) -> io::Result<Option<Seqs>> {
+pub(super) fn snapshot(downstream: &Socket, upstream: &Socket) -> io::Result<Option<Seqs>> {
     let (a, b) = (downstream.as_raw_fd(), upstream.as_raw_fd());
     set_repair(a, 1)?;
     // `rcv_nxt` first, the queue after: A keeps receiving in repair mode, and a segment
@@ -1036,7 +1147,7 @@ fn queue_seq(fd: RawFd, queue: libc::c_int) -> io::Result<u32> {
 
 /// The socket's TSval clock as an offset from CLOCK_MONOTONIC in milliseconds, the
 /// clock the program reads.
-fn ts_clock(fd: RawFd) -> io::Result<u32> {
+pub(super) fn ts_clock(fd: RawFd) -> io::Result<u32> {
     let ts = getsockopt_u32(fd, TCP_TIMESTAMP)?;
     let mut now = libc::timespec {
         tv_sec: 0,
@@ -1072,6 +1183,10 @@ struct Info {
     rcv_wscale: u8,
     /// Sequence space received: data bytes and a FIN.
     bytes_received: u64,
+    /// Sequence space sent and acknowledged: data bytes and a FIN.
+    bytes_acked: u64,
+    /// Bytes written and not yet sent.
+    notsent: u32,
 }
 
 impl Info {
@@ -1095,6 +1210,8 @@ fn info(sock: &impl AsFd) -> io::Result<Info> {
         unacked: i.tcpi_unacked,
         advmss: i.tcpi_advmss,
         bytes_received: i.tcpi_bytes_received,
+        bytes_acked: i.tcpi_bytes_acked,
+        notsent: i.tcpi_notsent_bytes,
         options: i.tcpi_options,
         // The two 4-bit fields: the send shift in the low nibble.
         snd_wscale: i.tcpi_snd_rcv_wscale & 0xf,

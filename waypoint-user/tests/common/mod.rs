@@ -10,10 +10,7 @@ pub mod hello;
 
 use std::{net::SocketAddr, sync::Arc, sync::OnceLock};
 
-use tokio::{
-    net::TcpStream,
-    sync::{mpsc, Semaphore},
-};
+use tokio::sync::{mpsc, Semaphore};
 use waypoint::dataplane::{copy::Copy, ebpf, splice::Splice, Dataplane, Kind, Limits, Outcome};
 
 /// The eBPF dataplane is loaded once per test binary: loading is ~60 ms and every test
@@ -67,6 +64,18 @@ pub async fn proxy(
     proxy_with_gate(dp, upstream, initial_len, limits, None).await
 }
 
+/// Like [`proxy`], without showing the dataplane its sockets before their handshakes
+/// ([`Dataplane::mark`]): the rewrite hand-over then reads them in repair mode.
+pub async fn proxy_unmarked(
+    dp: Arc<Dataplane>,
+    upstream: SocketAddr,
+    initial_len: usize,
+    limits: Limits,
+) -> Proxy {
+    let bind = "127.0.0.1:0".parse().unwrap();
+    proxy_on(bind, dp, upstream, initial_len, limits, None, false).await
+}
+
 /// Like [`proxy`], listening on `bind` instead of loopback.
 pub async fn proxy_at(
     bind: SocketAddr,
@@ -75,7 +84,7 @@ pub async fn proxy_at(
     initial_len: usize,
     limits: Limits,
 ) -> Proxy {
-    proxy_on(bind, dp, upstream, initial_len, limits, None).await
+    proxy_on(bind, dp, upstream, initial_len, limits, None, true).await
 }
 
 /// Like [`proxy`], but each connection waits for a permit of the returned semaphore
@@ -101,7 +110,7 @@ async fn proxy_with_gate(
     gate: Option<Arc<Semaphore>>,
 ) -> Proxy {
     let bind = "127.0.0.1:0".parse().unwrap();
-    proxy_on(bind, dp, upstream, initial_len, limits, gate).await
+    proxy_on(bind, dp, upstream, initial_len, limits, gate, true).await
 }
 
 async fn proxy_on(
@@ -111,6 +120,7 @@ async fn proxy_on(
     initial_len: usize,
     limits: Limits,
     gate: Option<Arc<Semaphore>>,
+    mark: bool,
 ) -> Proxy {
     // A deep accept queue: with tokio's default (1024) a burst of 1,000 connections
     // overflowed it, the kernel fell back to SYN cookies and reset some connections.
@@ -122,6 +132,11 @@ async fn proxy_on(
         }
         .unwrap();
         sock.bind(bind).unwrap();
+        // As the router does: the rewrite splice then finds the accepted sockets'
+        // handshake records.
+        if mark {
+            dp.mark(std::os::fd::AsFd::as_fd(&sock));
+        }
         sock.listen(4096).unwrap()
     };
     let addr = listener.local_addr().unwrap();
@@ -143,7 +158,18 @@ async fn proxy_on(
                     use tokio::io::AsyncReadExt as _;
                     down.read_exact(&mut initial).await.unwrap();
                 }
-                let up = TcpStream::connect(upstream).await.unwrap();
+                let up = {
+                    let sock = if upstream.is_ipv4() {
+                        tokio::net::TcpSocket::new_v4()
+                    } else {
+                        tokio::net::TcpSocket::new_v6()
+                    }
+                    .unwrap();
+                    if mark {
+                        dp.mark(std::os::fd::AsFd::as_fd(&sock));
+                    }
+                    sock.connect(upstream).await.unwrap()
+                };
                 up.set_nodelay(true).unwrap();
                 down.set_nodelay(true).unwrap();
                 if let Some(gate) = gate {
