@@ -376,6 +376,9 @@ pub const ESTABLISHED_MAP: &str = "ESTABLISHED";
 pub const SOCK_OPS_SK_OFFSET: &str = "SOCK_OPS_SK_OFFSET";
 /// Name of the global holding the offset of `tsoffset` in `struct tcp_sock` (0: unknown).
 pub const TCP_TSOFFSET_OFFSET: &str = "TCP_TSOFFSET_OFFSET";
+/// Name of the global holding the port the daemon dials pods on (0: none): the
+/// established program gives every socket that connects to it a record, unmarked.
+pub const POD_PORT: &str = "POD_PORT";
 
 /// What the established program records of a socket the daemon marked (a record in the
 /// socket's storage, all zero, put there by the daemon before the socket connects, or

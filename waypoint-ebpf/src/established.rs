@@ -3,17 +3,20 @@
 //!
 //! Attached to the daemon's cgroup (SOCK_OPS), so it runs at every TCP socket's
 //! callbacks there; it acts only at the two "established" callbacks and only on sockets
-//! that already have a record: the daemon puts an empty one on each socket it dials
-//! before the connect, and on its listeners, whose record the kernel copies into every
-//! socket they accept (the map's `BPF_F_CLONE`). Every other socket costs one storage
-//! lookup that finds nothing.
+//! that already have a record: the daemon puts an empty one on its listeners, whose
+//! record the kernel copies into every socket they accept (the map's `BPF_F_CLONE`), and
+//! on each socket it dials before the connect. A socket that connects to the pods' port
+//! (`POD_PORT`) gets its record here instead, which spares the daemon that system call
+//! (the storage's allocation is the same, without the syscall's file lookup and copies).
+//! Every other socket costs one storage lookup that finds nothing.
 
 use core::ffi::c_void;
 
 use aya_ebpf::{
     bindings::{
         bpf_map_type::BPF_MAP_TYPE_SK_STORAGE, BPF_F_CLONE, BPF_F_NO_PREALLOC,
-        BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB,
+        BPF_SK_STORAGE_GET_F_CREATE, BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB,
+        BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB,
     },
     helpers::{bpf_probe_read_kernel, bpf_sk_storage_get},
     macros::{btf_map, sock_ops},
@@ -52,6 +55,9 @@ static ESTABLISHED: SkStorageDef = SkStorageDef {
 static SOCK_OPS_SK_OFFSET: u32 = 0;
 #[unsafe(no_mangle)]
 static TCP_TSOFFSET_OFFSET: u32 = 0;
+/// The port the daemon dials pods on (host byte order; 0: none), set by the loader.
+#[unsafe(no_mangle)]
+static POD_PORT: u32 = 0;
 
 const AF_INET: u32 = 2;
 const AF_INET6: u32 = 10;
@@ -61,16 +67,30 @@ const V4_MAPPED: u32 = u32::from_be(0x0000_ffff);
 #[sock_ops]
 pub fn waypoint_established(ctx: SockOpsContext) -> u32 {
     let op = ctx.op();
-    if op == BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB || op == BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB {
-        record(&ctx);
+    if op == BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB || op == BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB {
+        // Read once: the verifier refuses a second read of a context field through a
+        // pointer the compiler moved (it did, for the record below).
+        let remote_port = u32::from_be(ctx.remote_port());
+        // SAFETY: a plain global; volatile so the loader's value is used.
+        let pod_port = unsafe { core::ptr::read_volatile(&POD_PORT) };
+        let create =
+            op == BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB && pod_port != 0 && remote_port == pod_port;
+        let flags = if create {
+            BPF_SK_STORAGE_GET_F_CREATE.into()
+        } else {
+            0
+        };
+        record(&ctx, remote_port as u16, flags);
     }
     // Anything else would make the kernel ignore the context's reply (left zero: the
     // defaults) or refuse the operation.
     1
 }
 
+/// Fills the socket's record; with `BPF_SK_STORAGE_GET_F_CREATE` in `flags` the record
+/// is created (zeroed) if the daemon did not mark the socket.
 #[inline(always)]
-fn record(ctx: &SockOpsContext) {
+fn record(ctx: &SockOpsContext, remote_port: u16, flags: u64) {
     let ops = ctx.ops;
     // SAFETY: the context, valid for the call; `sk` is readable at the established
     // callbacks (the verifier checks it for null below).
@@ -78,14 +98,14 @@ fn record(ctx: &SockOpsContext) {
     if sk.is_null() {
         return;
     }
-    // SAFETY: the map's address and a socket from the context; no value and no flags:
-    // only a socket the daemon marked has a record.
+    // SAFETY: the map's address and a socket from the context; no initial value (zeroes
+    // when created).
     let rec = unsafe {
         bpf_sk_storage_get(
             (&raw const ESTABLISHED).cast_mut().cast::<c_void>(),
             sk.cast(),
             core::ptr::null_mut(),
-            0,
+            flags,
         )
     }
     .cast::<Established>();
@@ -135,8 +155,7 @@ fn record(ctx: &SockOpsContext) {
     rec.local_ip4 = local;
     rec.remote_ip4 = remote;
     rec.local_port = ctx.local_port() as u16;
-    // Network byte order in the context's word.
-    rec.remote_port = u32::from_be(ctx.remote_port()) as u16;
+    rec.remote_port = remote_port;
     rec.flags = flags;
 }
 

@@ -366,6 +366,7 @@ impl Config {
             max_sockets: self.max_sockets,
             splice_after: self.splice_after,
             rewrite_splice: self.rewrite_splice,
+            pod_port: Some(self.pod_port),
             ..dataplane::ebpf::Config::default()
         }
     }

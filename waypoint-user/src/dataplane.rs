@@ -191,14 +191,22 @@ impl Dataplane {
         }
     }
 
-    /// Tells the dataplane about a listener whose accepted sockets it will forward, or a
-    /// socket about to connect to a pod, before the handshake: the rewrite splice has
-    /// the kernel record the sequence numbers of such sockets then (see
-    /// `dataplane/established.rs`), which spares the hand-over reading them. Optional:
-    /// a socket not marked is read at the hand-over instead.
-    pub fn mark(&self, socket: std::os::fd::BorrowedFd<'_>) {
+    /// Tells the dataplane about a listener whose accepted sockets it will forward,
+    /// before they arrive: the rewrite splice has the kernel record the sequence numbers
+    /// of such sockets at their handshake (see `dataplane/established.rs`), which spares
+    /// the hand-over reading them. Optional: a socket not marked is read at the
+    /// hand-over instead.
+    pub fn mark_listener(&self, listener: std::os::fd::BorrowedFd<'_>) {
         if let Dataplane::Ebpf(e) = self {
-            e.mark(socket);
+            e.mark_listener(listener);
+        }
+    }
+
+    /// As [`Dataplane::mark_listener`], for a socket about to connect to a pod on
+    /// `port`.
+    pub fn mark_dial(&self, socket: std::os::fd::BorrowedFd<'_>, port: u16) {
+        if let Dataplane::Ebpf(e) = self {
+            e.mark_dial(socket, port);
         }
     }
 

@@ -91,14 +91,14 @@ pub(crate) fn listen(addr: SocketAddr, backlog: u32) -> std::io::Result<TcpListe
 /// TCP_INFO read then spares the wait for writability that tokio's `connect` makes:
 /// another turn of the worker's event loop, and an SO_ERROR read, per connection.
 /// The socket is registered with the reactor only if it had to be waited for (see
-/// [`Socket`]). The dataplane sees it before the handshake ([`Dataplane::mark`]).
+/// [`Socket`]). The dataplane sees it before the handshake ([`Dataplane::mark_dial`]).
 async fn connect(addr: SocketAddr, dataplane: &Dataplane) -> std::io::Result<Socket> {
     let socket = socket2::Socket::new(
         socket2::Domain::for_address(addr),
         socket2::Type::STREAM.nonblocking().cloexec(),
         None,
     )?;
-    dataplane.mark(std::os::fd::AsFd::as_fd(&socket));
+    dataplane.mark_dial(std::os::fd::AsFd::as_fd(&socket), addr.port());
     match socket.connect(&addr.into()) {
         Ok(()) => {}
         Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {
@@ -382,7 +382,7 @@ impl Router {
         tracker: TaskTracker,
     ) {
         self.dataplane
-            .mark(std::os::fd::AsFd::as_fd(listener.get_ref()));
+            .mark_listener(std::os::fd::AsFd::as_fd(listener.get_ref()));
         if let Ok(addr) = listener.get_ref().local_addr() {
             debug!(%addr, worker, dataplane = self.dataplane.kind().as_str(), "tunnel listener accepting");
         }

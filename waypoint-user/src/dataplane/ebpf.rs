@@ -46,7 +46,7 @@ use nix::sys::{
 use tokio::net::TcpStream;
 use tracing::{debug, info, trace, warn};
 use waypoint_common::{
-    Rewrite, RewriteKey, RewriteStat, Stat, ENDS_MAP, FLOWS_MAP, PEERS_MAP, REWRITES_MAP,
+    Rewrite, RewriteKey, RewriteStat, Stat, ENDS_MAP, FLOWS_MAP, PEERS_MAP, POD_PORT, REWRITES_MAP,
     REWRITE_PROG, REWRITE_STATS_MAP, SIGNALS_MAP, SKB_SEQ_OFFSET, SKB_SK_OFFSET, SLOTS_MAP,
     SOCK_OPS_SK_OFFSET, STATS_MAP, TCP_COPIED_SEQ_OFFSET, TCP_TSOFFSET_OFFSET, VERDICT_PROG,
 };
@@ -137,6 +137,10 @@ pub struct Config {
     /// Splice connections by rewriting their packets' headers in a TC program on every
     /// interface (see `rewrite.rs`); those it refuses take the SockHash.
     pub rewrite_splice: bool,
+    /// The port the daemon dials pods on: the kernel records the handshake of every
+    /// socket of the daemon's cgroup that connects to it (see `established.rs`), so
+    /// that the daemon need not mark them. None: only marked sockets are recorded.
+    pub pod_port: Option<u16>,
     /// Tests only: the rewrite hand-over sleeps this long between reading the sockets'
     /// sequence numbers and inserting the entries, so that a test can land a packet in
     /// the waypoint's socket meanwhile.
@@ -154,6 +158,7 @@ impl Default for Config {
             splice_after: DEFAULT_SPLICE_AFTER,
             signal_ring_bytes: waypoint_common::SIGNALS_BYTES,
             rewrite_splice: false,
+            pod_port: None,
             rewrite_handover_pause: None,
         }
     }
@@ -403,6 +408,7 @@ impl Ebpf {
             .override_global(TCP_COPIED_SEQ_OFFSET, &o.tcp_copied_seq, true)
             .override_global(SOCK_OPS_SK_OFFSET, &o.sock_ops_sk, true)
             .override_global(TCP_TSOFFSET_OFFSET, &o.tcp_tsoffset, true)
+            .override_global(POD_PORT, &u32::from(config.pod_port.unwrap_or(0)), true)
             .load(OBJECT)?;
         let take = |loaded: &mut Loaded, name: &'static str| {
             loaded
@@ -494,6 +500,7 @@ impl Ebpf {
                 signals.clone(),
                 config.rewrite_handover_pause,
                 records,
+                config.pod_port,
             ))
         });
         info!(
@@ -560,11 +567,19 @@ impl Ebpf {
         self.rewrite.as_ref().map(|r| (r.counts(), r.stats()))
     }
 
-    /// Marks a listener (for the sockets it accepts) or a socket about to connect for
-    /// the rewrite hand-over (see `established.rs`); nothing without the rewrite splice.
-    pub fn mark(&self, socket: BorrowedFd<'_>) {
+    /// Marks a listener, for the sockets it accepts, for the rewrite hand-over (see
+    /// `established.rs`); nothing without the rewrite splice.
+    pub fn mark_listener(&self, listener: BorrowedFd<'_>) {
         if let Some(r) = &self.rewrite {
-            r.mark(socket);
+            r.mark(listener);
+        }
+    }
+
+    /// Marks a socket about to connect to `port` for the rewrite hand-over, unless the
+    /// kernel records it anyway ([`Config::pod_port`]).
+    pub fn mark_dial(&self, socket: BorrowedFd<'_>, port: u16) {
+        if let Some(r) = &self.rewrite {
+            r.mark_dial(socket, port);
         }
     }
 

@@ -169,19 +169,21 @@ mod tests {
 
     use aya::EbpfLoader;
     use waypoint_common::{
-        ESTABLISHED_TS_OFFSET, ESTABLISHED_V4, SOCK_OPS_SK_OFFSET, TCP_TSOFFSET_OFFSET,
+        ESTABLISHED_TS_OFFSET, ESTABLISHED_V4, POD_PORT, SOCK_OPS_SK_OFFSET, TCP_TSOFFSET_OFFSET,
     };
 
     use super::*;
     use crate::dataplane::{btf::Btf, ebpf::OBJECT, rewrite, tcp_info, Socket};
 
-    fn records() -> (Loaded, Records) {
+    /// The program and its storage, recording every dial to `pod_port` unmarked.
+    fn records(pod_port: u16) -> (Loaded, Records) {
         let btf = Btf::vmlinux().unwrap();
         let sk = btf.member_offset("bpf_sock_ops_kern", "sk").unwrap();
         let ts = btf.member_offset("tcp_sock", "tsoffset").unwrap();
         let mut loaded = EbpfLoader::new()
             .override_global(SOCK_OPS_SK_OFFSET, &sk, true)
             .override_global(TCP_TSOFFSET_OFFSET, &ts, true)
+            .override_global(POD_PORT, &u32::from(pod_port), true)
             .load(OBJECT)
             .unwrap();
         let records = Records::attach(&mut loaded).unwrap();
@@ -211,11 +213,13 @@ mod tests {
     /// The sequence numbers, addresses and timestamp offsets computed from the records
     /// are what repair mode, `getsockname`/`getpeername` and `TCP_TIMESTAMP` read from
     /// the same sockets, after bytes went both ways on each; sockets not marked have
-    /// none, and a listener's own record stays empty.
+    /// none (unless they dial the pods' port), and a listener's own record stays empty.
     #[test]
     fn records_agree_with_the_sockets() {
-        let (_loaded, records) = records();
-        for listen_on in ["127.0.0.1:0", "[::]:0"] {
+        let pods = TcpListener::bind("127.0.0.1:0").unwrap();
+        let other_pods = TcpListener::bind("127.0.0.1:0").unwrap();
+        let (_loaded, records) = records(pods.local_addr().unwrap().port());
+        for (listen_on, mark_b) in [("127.0.0.1:0", false), ("[::]:0", true)] {
             let listener = socket2::Socket::new(
                 socket2::Domain::for_address(listen_on.parse().unwrap()),
                 socket2::Type::STREAM,
@@ -233,13 +237,21 @@ mod tests {
             listener.listen(8).unwrap();
             let listener: TcpListener = listener.into();
             let port = listener.local_addr().unwrap().port();
-            let pods = TcpListener::bind("127.0.0.1:0").unwrap();
+            // Not the pods' port: needs a mark.
+            let other = TcpStream::connect(other_pods.local_addr().unwrap()).unwrap();
+            assert_eq!(
+                records.get(other.as_fd()),
+                None,
+                "not marked, not to the pods"
+            );
 
             let mut client = TcpStream::connect(("127.0.0.1", port)).unwrap();
             let (mut a, _) = listener.accept().unwrap();
             let b =
                 socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
-            records.mark(b.as_fd()).unwrap();
+            if mark_b {
+                records.mark(b.as_fd()).unwrap();
+            }
             b.connect(&pods.local_addr().unwrap().into()).unwrap();
             let mut b: TcpStream = b.into();
             let (mut pod, _) = pods.accept().unwrap();

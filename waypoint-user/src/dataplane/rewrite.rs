@@ -181,6 +181,8 @@ pub(super) struct Rewriter {
     records: Option<Records>,
     /// Hand-overs that took their sequence numbers from the records.
     recorded: AtomicU64,
+    /// The port whose dials the kernel records unmarked (`ebpf::Config::pod_port`).
+    pod_port: Option<u16>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -242,6 +244,7 @@ impl Rewriter {
         signals: Arc<Signals>,
         pause: Option<Duration>,
         records: Option<Records>,
+        pod_port: Option<u16>,
     ) -> Self {
         Rewriter {
             map: Mutex::new(map),
@@ -257,6 +260,15 @@ impl Rewriter {
             pause,
             records,
             recorded: AtomicU64::new(0),
+            pod_port,
+        }
+    }
+
+    /// Marks a socket about to connect to `port` (see [`Rewriter::mark`]), unless the
+    /// kernel records it anyway: a dial to the pods' port.
+    pub fn mark_dial(&self, socket: BorrowedFd<'_>, port: u16) {
+        if self.pod_port != Some(port) {
+            self.mark(socket);
         }
     }
 

@@ -65,7 +65,7 @@ pub async fn proxy(
 }
 
 /// Like [`proxy`], without showing the dataplane its sockets before their handshakes
-/// ([`Dataplane::mark`]): the rewrite hand-over then reads them in repair mode.
+/// ([`Dataplane::mark_listener`], [`Dataplane::mark_dial`]): the rewrite hand-over then reads them in repair mode.
 pub async fn proxy_unmarked(
     dp: Arc<Dataplane>,
     upstream: SocketAddr,
@@ -135,7 +135,7 @@ async fn proxy_on(
         // As the router does: the rewrite splice then finds the accepted sockets'
         // handshake records.
         if mark {
-            dp.mark(std::os::fd::AsFd::as_fd(&sock));
+            dp.mark_listener(std::os::fd::AsFd::as_fd(&sock));
         }
         sock.listen(4096).unwrap()
     };
@@ -166,7 +166,7 @@ async fn proxy_on(
                     }
                     .unwrap();
                     if mark {
-                        dp.mark(std::os::fd::AsFd::as_fd(&sock));
+                        dp.mark_dial(std::os::fd::AsFd::as_fd(&sock), upstream.port());
                     }
                     sock.connect(upstream).await.unwrap()
                 };
