@@ -8,6 +8,7 @@
 use std::{
     collections::BTreeSet,
     os::unix::process::CommandExt as _,
+    path::PathBuf,
     process::{Child, Command, Stdio},
     sync::Mutex,
     time::{Duration, Instant},
@@ -79,14 +80,97 @@ pub fn kill_all() {
     }
 }
 
-/// A child process leading its own group; the group is killed on drop.
+/// A child process leading its own group; the group is killed on drop (and then its
+/// cgroup removed, if it has one).
 pub struct Group {
     child: Child,
+    /// Removed on drop, after `drop` stopped the group (fields drop after the body).
+    _cgroup: Option<Cgroup>,
+}
+
+/// A cgroup (v2) of the benchmark's own for one router, as a Kubernetes pod's container
+/// has one: what a router attaches to its cgroup then applies to its own sockets only.
+/// (The waypoint's handshake-recording program runs at the callbacks of every TCP
+/// socket in its cgroup; in the benchmark's cgroup it would run for the load generator's
+/// and the servers' connections too, and for every other router's.)
+pub struct Cgroup {
+    path: PathBuf,
+}
+
+impl Cgroup {
+    /// Creates `name` under this process's cgroup v2 directory.
+    pub fn create(name: &str) -> std::io::Result<Cgroup> {
+        let own = std::fs::read_to_string("/proc/self/cgroup")?;
+        let own = own
+            .lines()
+            .find_map(|l| l.strip_prefix("0::"))
+            .ok_or_else(|| std::io::Error::other("no cgroup v2 in /proc/self/cgroup"))?;
+        // The host's mount (field 5 of mountinfo), not a container's: the benchmark runs
+        // on the machine it measures.
+        let mounts = std::fs::read_to_string("/proc/self/mountinfo")?;
+        let mount = mounts
+            .lines()
+            .find(|l| {
+                l.split_once(" - ")
+                    .is_some_and(|(_, r)| r.starts_with("cgroup2 "))
+            })
+            .and_then(|l| l.split(' ').nth(4))
+            .ok_or_else(|| std::io::Error::other("no cgroup2 mount"))?;
+        let path = PathBuf::from(mount)
+            .join(own.trim_start_matches('/'))
+            .join(name);
+        std::fs::create_dir(&path)?;
+        Ok(Cgroup { path })
+    }
+
+    /// Makes the process `cmd` starts join this cgroup before it runs.
+    pub fn enter_on_exec(&self, cmd: &mut Command) {
+        let procs = std::ffi::CString::new(
+            self.path
+                .join("cgroup.procs")
+                .into_os_string()
+                .into_encoded_bytes(),
+        );
+        let Ok(procs) = procs else { return };
+        // SAFETY: between fork and exec the closure only makes async-signal-safe system
+        // calls (open, write, close) on memory prepared before the fork.
+        unsafe {
+            cmd.pre_exec(move || {
+                let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                if fd < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // "0": the writing process itself.
+                let n = libc::write(fd, b"0".as_ptr().cast(), 1);
+                let err = std::io::Error::last_os_error();
+                libc::close(fd);
+                if n != 1 {
+                    return Err(err);
+                }
+                Ok(())
+            });
+        }
+    }
+}
+
+impl Drop for Cgroup {
+    fn drop(&mut self) {
+        // Empty once the group's processes are reaped, which `Group::stop` waited for.
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while std::fs::remove_dir(&self.path).is_err() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
 }
 
 impl Group {
-    /// Starts `cmd` in a new process group, stdout discarded, stderr to `log` (a file).
-    pub fn spawn(mut cmd: Command, log: &std::path::Path) -> Result<Group, Error> {
+    /// Starts `cmd` in a new process group, stdout discarded, stderr to `log` (a file),
+    /// in `cgroup` if given.
+    pub fn spawn(
+        mut cmd: Command,
+        log: &std::path::Path,
+        cgroup: Option<Cgroup>,
+    ) -> Result<Group, Error> {
         let program = cmd.get_program().to_string_lossy().into_owned();
         let stderr = std::fs::File::create(log)
             .map(Stdio::from)
@@ -95,6 +179,9 @@ impl Group {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(stderr);
+        if let Some(c) = &cgroup {
+            c.enter_on_exec(&mut cmd);
+        }
         // Registered under the lock, so a signal between spawn and insert cannot orphan it.
         let mut g = groups();
         let child = cmd
@@ -102,7 +189,10 @@ impl Group {
             .map_err(|source| Error::Spawn { program, source })?;
         let pid = child.id() as i32;
         g.insert(pid);
-        Ok(Group { child })
+        Ok(Group {
+            child,
+            _cgroup: cgroup,
+        })
     }
 
     /// Like `spawn`, with pipes to the child's stdin and from its stdout.
@@ -124,14 +214,24 @@ impl Group {
         g.insert(child.id() as i32);
         drop(g);
         let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
-            let mut group = Group { child };
+            let mut group = Group {
+                child,
+                _cgroup: None,
+            };
             group.stop();
             return Err(Error::Spawn {
                 program,
                 source: std::io::Error::other("no pipes to the child"),
             });
         };
-        Ok((Group { child }, stdin, stdout))
+        Ok((
+            Group {
+                child,
+                _cgroup: None,
+            },
+            stdin,
+            stdout,
+        ))
     }
 
     pub fn pid(&self) -> i32 {

@@ -196,7 +196,22 @@ impl Router {
                 (waypoint(kind, setup, listen, admin)?, Some(admin))
             }
         };
-        let group = Group::spawn(cmd, &log)?;
+        let name = format!(
+            "waypoint-bench-{}-{}-{instance}",
+            std::process::id(),
+            kind.name()
+        );
+        let cgroup = match procs::Cgroup::create(&name) {
+            Ok(c) => Some(c),
+            Err(e) => {
+                eprintln!(
+                    "{}: no cgroup of its own ({e}); it shares the benchmark's",
+                    kind.name()
+                );
+                None
+            }
+        };
+        let group = Group::spawn(cmd, &log, cgroup)?;
         let mut r = Router {
             kind,
             echo: Target {
