@@ -25,6 +25,8 @@ use aya::{
 };
 use waypoint_common::{Established, ESTABLISHED_MAP, ESTABLISHED_PROG, ESTABLISHED_SET};
 
+use tracing::{info, warn};
+
 use super::bpf_cmd;
 
 /// Errors setting up the records (each leaves the hand-over on socket options).
@@ -63,7 +65,7 @@ struct Elem {
 impl Records {
     /// Loads the program, attaches it to this process's cgroup and takes its map.
     pub fn attach(loaded: &mut Loaded) -> Result<Records, Error> {
-        let path = own_cgroup()?;
+        let (path, root) = own_cgroup()?;
         let cgroup = File::open(&path).map_err(|source| Error::OpenCgroup {
             path: path.display().to_string(),
             source,
@@ -83,6 +85,15 @@ impl Records {
         let aya::maps::Map::SkStorage(map) = map else {
             return Err(Error::Missing(ESTABLISHED_MAP));
         };
+        if root {
+            warn!(
+                cgroup = %path.display(),
+                "recording handshakes in the root cgroup: every TCP socket of the machine runs \
+                 the program (run the daemon in a cgroup of its own, as a pod's container is)"
+            );
+        } else {
+            info!(cgroup = %path.display(), "recording the daemon's sockets' handshakes");
+        }
         Ok(Records { map })
     }
 
@@ -122,8 +133,10 @@ impl Records {
 
 /// This process's cgroup v2 directory: its path in `/proc/self/cgroup` ("0::<path>")
 /// under the cgroup2 mount of `/proc/self/mountinfo` (whose root, in a container with
-/// its own cgroup namespace or a bind mount, may be a part of that path).
-fn own_cgroup() -> Result<PathBuf, Error> {
+/// its own cgroup namespace or a bind mount, may be a part of that path); and whether
+/// that is the hierarchy's root (the host's, not a namespace's: "0::/" with the mount's
+/// root at "/").
+fn own_cgroup() -> Result<(PathBuf, bool), Error> {
     let read = |p: &str| std::fs::read_to_string(p).map_err(|e| Error::Cgroup(format!("{p}: {e}")));
     let cgroups = read("/proc/self/cgroup")?;
     let own = cgroups
@@ -148,12 +161,22 @@ fn own_cgroup() -> Result<PathBuf, Error> {
         };
         let path = PathBuf::from(mount).join(relative.trim_start_matches('/'));
         if path.is_dir() {
-            return Ok(path);
+            let root = own == "/" && *root == "/" && !in_cgroup_namespace();
+            return Ok((path, root));
         }
     }
     Err(Error::Cgroup(format!(
         "no cgroup2 mount holds {own} (/proc/self/mountinfo)"
     )))
+}
+
+/// The initial cgroup namespace's inode (`CGROUP_NS_INIT_INO`, include/linux/proc_ns.h).
+const CGROUP_NS_INIT: &str = "cgroup:[4026531835]";
+
+/// Whether this process has a cgroup namespace other than the host's (a container's):
+/// then "/" is the container's cgroup, not the hierarchy's root.
+fn in_cgroup_namespace() -> bool {
+    std::fs::read_link("/proc/self/ns/cgroup").is_ok_and(|ns| ns.as_os_str() != CGROUP_NS_INIT)
 }
 
 #[cfg(test)]
