@@ -455,6 +455,7 @@ impl Rewriter {
         if info_b.bytes_received != 0 {
             return Err(Refusal::Busy);
         }
+        let from_records = recorded.is_some();
         let (seqs, probe, recorded_ts) = match recorded {
             Some((ra, rb)) => {
                 // A received exactly what the router read from it: nothing unread (a
@@ -472,7 +473,6 @@ impl Rewriter {
                     return Err(Refusal::Setup);
                 }
                 self.pending.fetch_add(1, Relaxed);
-                self.recorded.fetch_add(1, Relaxed);
                 let seq = |base: u32, count: u64| base.wrapping_add(count as u32);
                 let seqs = Seqs {
                     a_snd: seq(ra.snd_base, info_a.bytes_acked),
@@ -564,6 +564,9 @@ impl Rewriter {
             let _ = set_repair(a, TCP_REPAIR_OFF_NO_WP);
             self.pending.fetch_sub(1, Relaxed);
             return Err(Refusal::Setup);
+        }
+        if from_records {
+            self.recorded.fetch_add(1, Relaxed);
         }
         Ok(Prepared {
             addrs,
