@@ -100,34 +100,38 @@ impl Records {
     /// Gives `socket` an empty record for the program to fill when its handshake
     /// completes: a socket about to connect, or a listener (for the sockets it accepts).
     pub fn mark(&self, socket: BorrowedFd<'_>) -> io::Result<()> {
-        let fd: libc::c_int = socket.as_raw_fd();
-        let value = Established::default();
-        let mut attr = Elem {
-            map_fd: self.map.fd().as_fd().as_raw_fd() as u32,
-            _pad: 0,
-            key: (&raw const fd) as u64,
-            value: (&raw const value) as u64,
-            flags: 0,
-        };
-        // SAFETY: the element command's attributes; key and value point to an int and a
-        // record of the map's sizes, alive for the call.
-        unsafe { bpf_cmd::call(BPF_MAP_UPDATE_ELEM, &mut attr) }.map(|_| ())
+        let mut empty = Established::default();
+        self.elem(BPF_MAP_UPDATE_ELEM, socket, &mut empty)
     }
 
     /// `socket`'s record, if the program filled it.
     pub fn get(&self, socket: BorrowedFd<'_>) -> Option<Established> {
-        let fd: libc::c_int = socket.as_raw_fd();
         let mut value = Established::default();
+        self.elem(BPF_MAP_LOOKUP_ELEM, socket, &mut value).ok()?;
+        (value.flags & ESTABLISHED_SET != 0).then_some(value)
+    }
+}
+
+impl Records {
+    /// One element command on `socket`'s record, which the kernel reads from `value`
+    /// (an update) or writes into it (a lookup).
+    fn elem(
+        &self,
+        cmd: libc::c_long,
+        socket: BorrowedFd<'_>,
+        value: &mut Established,
+    ) -> io::Result<()> {
+        let fd: libc::c_int = socket.as_raw_fd();
         let mut attr = Elem {
             map_fd: self.map.fd().as_fd().as_raw_fd() as u32,
             _pad: 0,
             key: (&raw const fd) as u64,
-            value: (&raw mut value) as u64,
+            value: std::ptr::from_mut(value) as u64,
             flags: 0,
         };
-        // SAFETY: as in `mark`; the kernel writes one record into `value`.
-        unsafe { bpf_cmd::call(BPF_MAP_LOOKUP_ELEM, &mut attr) }.ok()?;
-        (value.flags & ESTABLISHED_SET != 0).then_some(value)
+        // SAFETY: the element command's attributes; key and value point to an int and a
+        // record of the map's sizes, alive for the call.
+        unsafe { bpf_cmd::call(cmd, &mut attr) }.map(|_| ())
     }
 }
 

@@ -113,6 +113,16 @@ async fn proxy_with_gate(
     proxy_on(bind, dp, upstream, initial_len, limits, gate, true).await
 }
 
+/// A TCP socket of `addr`'s family.
+fn tcp_socket(addr: SocketAddr) -> tokio::net::TcpSocket {
+    if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()
+    } else {
+        tokio::net::TcpSocket::new_v6()
+    }
+    .unwrap()
+}
+
 async fn proxy_on(
     bind: SocketAddr,
     dp: Arc<Dataplane>,
@@ -125,12 +135,7 @@ async fn proxy_on(
     // A deep accept queue: with tokio's default (1024) a burst of 1,000 connections
     // overflowed it, the kernel fell back to SYN cookies and reset some connections.
     let listener = {
-        let sock = if bind.is_ipv4() {
-            tokio::net::TcpSocket::new_v4()
-        } else {
-            tokio::net::TcpSocket::new_v6()
-        }
-        .unwrap();
+        let sock = tcp_socket(bind);
         sock.bind(bind).unwrap();
         // As the router does: the rewrite splice then finds the accepted sockets'
         // handshake records.
@@ -159,12 +164,7 @@ async fn proxy_on(
                     down.read_exact(&mut initial).await.unwrap();
                 }
                 let up = {
-                    let sock = if upstream.is_ipv4() {
-                        tokio::net::TcpSocket::new_v4()
-                    } else {
-                        tokio::net::TcpSocket::new_v6()
-                    }
-                    .unwrap();
+                    let sock = tcp_socket(upstream);
                     if mark {
                         dp.mark_dial(std::os::fd::AsFd::as_fd(&sock), upstream.port());
                     }
