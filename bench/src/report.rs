@@ -113,16 +113,31 @@ pub fn figures(run: &Run) -> Vec<Figure> {
                 format!("setup_{pin}_{k}_us"),
                 format!("connection setup {label}, {pin}, µs"),
                 1,
-                move |r| r.setup[slot].iter().map(|(l, _)| q(l)).collect(),
+                move |r| r.setup[slot].iter().map(|x| q(&x.latency)).collect(),
             ));
         }
         f.push(Figure::new(
             format!("setup_{pin}_conn_per_s"),
             format!("connections/s (one client), {pin}"),
             0,
-            move |r| r.setup[slot].iter().map(|(_, rate)| *rate).collect(),
+            move |r| r.setup[slot].iter().map(|x| x.conn_per_s).collect(),
         ));
     }
+    // Where a new connection's CPU goes, on one CPU: what the router's processes ran
+    // (its end of both connections, and the kernel's work for the packets it sends),
+    // and what the load generator's and servers' did.
+    f.push(Figure::new(
+        "setup_pinned_router_cpu_us",
+        "router CPU per new connection, pinned, µs",
+        1,
+        |r| r.setup[1].iter().map(|x| x.router_cpu_us).collect(),
+    ));
+    f.push(Figure::new(
+        "setup_pinned_bench_cpu_us",
+        "load generator + servers CPU per new connection, pinned, µs",
+        1,
+        |r| r.setup[1].iter().map(|x| x.bench_cpu_us).collect(),
+    ));
     let pause = run.settings.wake_pause.as_millis();
     for (k, label, q) in &quantiles[..2] {
         let q = *q;
@@ -263,6 +278,19 @@ pub fn goals(run: &Run) -> Vec<Goal> {
                 value: added,
                 text: format!("{added:+.1} µs"),
                 met: added <= 30.0,
+            })
+        }),
+    });
+    g.push(Goal {
+        key: "router_cpu_per_setup_us",
+        text: "(same, the router's own CPU per new connection, pinned ≤ 30 µs)",
+        judge: Box::new(|run, kind| {
+            let figs = figures(run);
+            let us = median_of(run, kind, fig(&figs, "setup_pinned_router_cpu_us")?);
+            us.is_finite().then(|| Verdict {
+                value: us,
+                text: format!("{us:.1} µs"),
+                met: us <= 30.0,
             })
         }),
     });
@@ -494,6 +522,15 @@ pub fn markdown(run: &Run, machine: &Value) -> String {
     out
 }
 
+fn setup_json(x: &suite::SetupRun) -> Value {
+    json!({
+        "latency": latency_json(&x.latency),
+        "conn_per_s": x.conn_per_s,
+        "router_cpu_us_per_conn": x.router_cpu_us,
+        "bench_cpu_us_per_conn": x.bench_cpu_us,
+    })
+}
+
 fn latency_json(l: &Latency) -> Value {
     json!({ "p50_us": l.p50, "p99_us": l.p99, "p999_us": l.p999, "samples": l.n })
 }
@@ -548,9 +585,9 @@ pub fn json(run: &Run, machine: &Value) -> Value {
                     })).collect::<Vec<_>>(),
                     "ping_unpinned": r.ping[0].iter().map(latency_json).collect::<Vec<_>>(),
                     "ping_pinned": r.ping[1].iter().map(latency_json).collect::<Vec<_>>(),
-                    "setup_unpinned": r.setup[0].iter().map(|(l, rate)| json!({"latency": latency_json(l), "conn_per_s": rate})).collect::<Vec<_>>(),
+                    "setup_unpinned": r.setup[0].iter().map(setup_json).collect::<Vec<_>>(),
                     "wake_unpinned": r.wake.iter().map(latency_json).collect::<Vec<_>>(),
-                    "setup_pinned": r.setup[1].iter().map(|(l, rate)| json!({"latency": latency_json(l), "conn_per_s": rate})).collect::<Vec<_>>(),
+                    "setup_pinned": r.setup[1].iter().map(setup_json).collect::<Vec<_>>(),
                     "memory": r.memory.iter().map(|m| json!({
                         "rss_before_bytes": m.rss_before, "rss_after_bytes": m.rss_after,
                         "opened": m.opened, "wanted": m.wanted, "bytes_per_conn": m.per_conn(), "error": m.error, "parked": m.parked,

@@ -80,6 +80,25 @@ pub fn wait_parked(admins: &[SocketAddr], want: usize, bound: Duration) -> Optio
     }
 }
 
+/// How long the benchmarks wait at most for a waypoint to close the connections of a
+/// finished figure: the rewrite splice keeps an ended connection's entries, and its
+/// socket to the pod, 3 s (`LINGER`) before it removes and closes them.
+pub const CLOSE_WAIT: Duration = Duration::from_secs(5);
+
+/// Waits (at most `bound`, polling every 250 ms so that the polling itself costs the
+/// daemon little) until the daemon at `admin` holds no connection; whether it got there.
+pub fn wait_closed(admin: SocketAddr, bound: Duration) -> bool {
+    let t = Instant::now();
+    loop {
+        match metric(admin, "waypoint_active_connections") {
+            Some(n) if n <= 0.0 => return true,
+            None => return false,
+            Some(_) if t.elapsed() >= bound => return false,
+            Some(_) => std::thread::sleep(Duration::from_millis(250)),
+        }
+    }
+}
+
 /// Sum of the daemons' open connections (None when a daemon did not answer).
 fn active(routers: &[Router]) -> Option<f64> {
     routers

@@ -71,6 +71,17 @@ impl Memory {
     }
 }
 
+/// One run of the setup figure.
+#[derive(Clone, Debug)]
+pub struct SetupRun {
+    pub latency: Latency,
+    pub conn_per_s: f64,
+    /// CPU time the router's processes ran per connection, µs (NaN: no router).
+    pub router_cpu_us: f64,
+    /// CPU time this process (load generator and servers) ran per connection, µs.
+    pub bench_cpu_us: f64,
+}
+
 /// Everything measured for one router.
 #[derive(Debug)]
 pub struct Results {
@@ -79,8 +90,8 @@ pub struct Results {
     pub bulk: Vec<Vec<Bulk>>,
     /// [unpinned, pinned].
     pub ping: [Vec<Latency>; 2],
-    /// [unpinned, pinned]: latency and connections per second.
-    pub setup: [Vec<(Latency, f64)>; 2],
+    /// [unpinned, pinned].
+    pub setup: [Vec<SetupRun>; 2],
     /// Round trips after an idle pause, unpinned.
     pub wake: Vec<Latency>,
     pub memory: Vec<Memory>,
@@ -309,13 +320,40 @@ fn measure(
             }
         }
         if s.wants(Figure::Setup) && r.kind.measures(Figure::Setup) {
+            // Where each connection's CPU goes: the router's own processes, or this
+            // one (the client's and the server's sockets, and the kernel's work for the
+            // packets they send). The scheduler's clock: no tracer slows the run down.
+            let cpu_before = (r.pid().map(sys::cpu_ns_tree), sys::cpu_ns_self());
             match load::setup(&r.echo, servers, s.setups) {
                 Ok((l, rate)) => {
+                    // The waypoint's end of each connection too (the rewrite splice's
+                    // comes 3 s after the close); and none of it in the next figure.
+                    if let Some(admin) = r.admin {
+                        if !crate::scale::wait_closed(admin, crate::scale::CLOSE_WAIT) {
+                            out.errors.push(format!(
+                                "rep {rep} setup {label}: connections still open {:?} after the run; its CPU figure is short of their end",
+                                crate::scale::CLOSE_WAIT
+                            ));
+                        }
+                    }
+                    let per_conn = |ns: u64| ns as f64 / 1e3 / s.setups as f64;
+                    let router_cpu_us = match (r.pid(), cpu_before.0) {
+                        (Some(pid), Some(before)) => {
+                            per_conn(sys::cpu_ns_tree(pid).saturating_sub(before))
+                        }
+                        _ => f64::NAN,
+                    };
+                    let bench_cpu_us = per_conn(sys::cpu_ns_self().saturating_sub(cpu_before.1));
                     eprintln!(
-                        "[rep {rep}] {name:<8} setup {label}: p50 {:.1} µs, p99 {:.1}, {rate:.0} conn/s",
+                        "[rep {rep}] {name:<8} setup {label}: p50 {:.1} µs, p99 {:.1}, {rate:.0} conn/s; CPU per conn: router {router_cpu_us:.1} µs, load generator and servers {bench_cpu_us:.1} µs",
                         l.p50, l.p99
                     );
-                    out.setup[slot].push((l, rate));
+                    out.setup[slot].push(SetupRun {
+                        latency: l,
+                        conn_per_s: rate,
+                        router_cpu_us,
+                        bench_cpu_us,
+                    });
                 }
                 Err(e) => {
                     eprintln!("[rep {rep}] {name:<8} setup {label} FAILED: {e}");
