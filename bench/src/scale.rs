@@ -86,11 +86,16 @@ pub fn wait_parked(admins: &[SocketAddr], want: usize, bound: Duration) -> Optio
 pub const CLOSE_WAIT: Duration = Duration::from_secs(5);
 
 /// Waits (at most `bound`, polling every 250 ms so that the polling itself costs the
-/// daemon little) until the daemon at `admin` holds no connection; whether it got there.
+/// daemon little) until the daemon at `admin` holds no connection, lingering ones of
+/// the rewrite splice included; whether it got there.
 pub fn wait_closed(admin: SocketAddr, bound: Duration) -> bool {
     let t = Instant::now();
     loop {
-        match metric(admin, "waypoint_active_connections") {
+        let open = metric(admin, "waypoint_active_connections").map(|n| {
+            // Only with --rewrite-splice.
+            n + metric(admin, "waypoint_rewrite_live").unwrap_or(0.0)
+        });
+        match open {
             Some(n) if n <= 0.0 => return true,
             None => return false,
             Some(_) if t.elapsed() >= bound => return false,

@@ -104,7 +104,8 @@ impl Metrics {
                 );
                 registry.register(
                     "rewrite_live",
-                    "Connections spliced by rewriting now (their map entries are in)",
+                    "Connections spliced by rewriting whose map entries are in: open, or \
+                     ended and lingering (3 s, for a last ACK or a resent FIN)",
                     rewrite_live.clone(),
                 );
                 registry.register(

@@ -1,8 +1,9 @@
 //! `bpf(2)` commands aya does not wrap: several elements of a map inserted or removed in
 //! one system call (`BPF_MAP_UPDATE_BATCH`, `BPF_MAP_DELETE_BATCH`, kernel 5.6+; the
-//! rewrite splice puts in and takes out two entries per connection, one call instead of
-//! two on every connection's setup path), and the raw call itself (the tests also run
-//! programs with `BPF_PROG_TEST_RUN`).
+//! rewrite splice puts in two entries per connection, one call instead of two on every
+//! connection's setup path, and takes out those of every connection whose linger ended
+//! in one call), and the raw call itself (the tests also run programs with
+//! `BPF_PROG_TEST_RUN`).
 
 use std::{
     io,
@@ -46,20 +47,27 @@ pub fn update<K: Pod, V: Pod, const N: usize>(
 
 /// Removes `keys`, in order. A key that is not there stops the batch ([`Partial`],
 /// `ENOENT`): the caller removes the rest one by one if it wants them gone.
-pub fn delete<K: Pod, const N: usize>(map: BorrowedFd<'_>, keys: &[K; N]) -> Result<(), Partial> {
+pub fn delete<K: Pod>(map: BorrowedFd<'_>, keys: &[K]) -> Result<(), Partial> {
     run(BPF_MAP_DELETE_BATCH, map, keys, 0)
 }
 
-fn run<K: Pod, const N: usize>(
+/// `cmd` over `keys` (and `values`, as many, for an update).
+fn run<K: Pod>(
     cmd: libc::c_long,
     map: BorrowedFd<'_>,
-    keys: &[K; N],
+    keys: &[K],
     values: u64,
 ) -> Result<(), Partial> {
+    let Ok(count) = u32::try_from(keys.len()) else {
+        return Err(Partial {
+            done: 0,
+            error: io::Error::from_raw_os_error(libc::E2BIG),
+        });
+    };
     let mut attr = Batch {
         keys: keys.as_ptr() as u64,
         values,
-        count: N as u32,
+        count,
         map_fd: map.as_raw_fd() as u32,
         ..Batch::default()
     };

@@ -212,6 +212,10 @@ pub enum Error {
     /// The thread that reads the verdict's signals could not be started.
     #[error(transparent)]
     Signals(#[from] signals::Error),
+    /// The thread that ends rewritten connections after their linger could not be
+    /// started.
+    #[error("starting the rewrite linger thread: {0}")]
+    Linger(#[source] io::Error),
     /// A socket option failed.
     #[error("socket setup: {0}")]
     Io(#[from] io::Error),
@@ -493,16 +497,21 @@ impl Ebpf {
             None => (None, None),
         };
         let signals = Signals::start(ring, ends, signal_stats)?;
-        let rewrite = rewrite.map(|(map, rstats, records)| {
-            Arc::new(Rewriter::new(
-                map,
-                rstats,
-                signals.clone(),
-                config.rewrite_handover_pause,
-                records,
-                config.pod_port,
-            ))
-        });
+        let rewrite = match rewrite {
+            Some((map, rstats, records)) => {
+                let rewriter = Arc::new(Rewriter::new(
+                    map,
+                    rstats,
+                    signals.clone(),
+                    config.rewrite_handover_pause,
+                    records,
+                    config.pod_port,
+                ));
+                rewriter.start_sweeping().map_err(Error::Linger)?;
+                Some(rewriter)
+            }
+            None => None,
+        };
         info!(
             max_inflight = config.max_inflight,
             socket_buffer = ?config.socket_buffer,
@@ -592,6 +601,12 @@ impl Ebpf {
     /// Entries in the rewrite map (walks it: tests and diagnostics); 0 without it.
     pub fn rewrite_entries(&self) -> usize {
         self.rewrite.as_deref().map_or(0, Rewriter::entries)
+    }
+
+    /// The rewrite splice, for its own tests.
+    #[cfg(test)]
+    pub(super) fn rewriter(&self) -> Option<&Arc<Rewriter>> {
+        self.rewrite.as_ref()
     }
 
     /// See [`super::Dataplane::forward`]: the rewrite splice for a connection it can
