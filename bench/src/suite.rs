@@ -1,6 +1,7 @@
-//! The comparison run: starts every router, then in each repetition measures every router
-//! once (repetition-major, so a burst of background load spoils one run of several
-//! routers rather than every run of one), and collects the samples.
+//! The comparison run: in each repetition starts, measures and stops every router in
+//! turn (repetition-major, so a burst of background load spoils one run of several
+//! routers rather than every run of one; one router at a time, so none taxes another's
+//! figures), and collects the samples.
 
 use std::{
     path::PathBuf,
@@ -141,10 +142,13 @@ pub fn run(s: Settings, servers: &Servers) -> anyhow::Result<Run> {
         dir: &mem_dir,
         ..setup
     };
-    let mut routers = Vec::new();
+    // Each router runs only while it is measured: the waypoint's rewrite program sits on
+    // every interface's ingress, lo included, and would run (and find nothing) for every
+    // packet of the others too, direct TCP's included. Each is started once first, so
+    // that one that cannot start fails the run before any measurement.
     for &kind in &s.kinds {
         eprintln!("starting {}", kind.name());
-        routers.push(Router::start(kind, &setup)?);
+        Router::start(kind, &setup)?.stop();
     }
     let mut results: Vec<Results> = s
         .kinds
@@ -178,8 +182,17 @@ pub fn run(s: Settings, servers: &Servers) -> anyhow::Result<Run> {
             }
         );
         probes.push(probe);
-        for (r, out) in routers.iter().zip(results.iter_mut()) {
-            measure(&s, servers, r, out, rep, me, hz);
+        for out in results.iter_mut() {
+            match Router::start(out.kind, &setup) {
+                Ok(mut r) => {
+                    measure(&s, servers, &r, out, rep, me, hz);
+                    r.stop();
+                }
+                Err(e) => {
+                    eprintln!("[rep {rep}] {:<8} FAILED to start: {e}", out.kind.name());
+                    out.errors.push(format!("rep {rep} start: {e}"));
+                }
+            }
         }
         for (kind, out) in s.kinds.iter().zip(results.iter_mut()) {
             if *kind == Kind::Direct || !s.wants(Figure::Memory) || !kind.measures(Figure::Memory) {
@@ -210,9 +223,6 @@ pub fn run(s: Settings, servers: &Servers) -> anyhow::Result<Run> {
                 }
             }
         }
-    }
-    for mut r in routers {
-        r.stop();
     }
     Ok(Run {
         settings: s,
