@@ -413,7 +413,7 @@ pub fn markdown(run: &Run, machine: &Value) -> String {
     );
     let _ = writeln!(
         out,
-        "- every connection replays a recorded rustls 0.23 ClientHello with a post-quantum key share (X25519MLKEM768, {} B) and waits for the server's 1-byte answer; nginx: `stream` + `ssl_preread`, 1 worker; HAProxy: `mode tcp`, `req.ssl_sni`, `nbthread 1`; the waypoint daemon with each dataplane; each router in a cgroup (v2) of its own, as in a pod (where the machine has none, a note on stderr says so); servers and load generator in the benchmark process",
+        "- every connection replays a recorded rustls 0.23 ClientHello with a post-quantum key share (X25519MLKEM768, {} B) and waits for the server's 1-byte answer; nginx: `stream` + `ssl_preread`, 1 worker; HAProxy: `mode tcp`, `req.ssl_sni`, `nbthread 1`; the waypoint daemon with each dataplane; each router in a cgroup (v2) of its own, as in a pod (where the machine has none, a note on stderr says so), and running only for its own turn in each repetition; servers and load generator in the benchmark process",
         crate::hello::len()
     );
     let _ = writeln!(
