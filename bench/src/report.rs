@@ -226,6 +226,29 @@ fn fig<'a>(figs: &'a [Figure], key: &str) -> Option<&'a Figure> {
     figs.iter().find(|f| f.key == key)
 }
 
+/// A goal met when a router's median of `figure` is at most `limit`.
+fn at_most(
+    key: &'static str,
+    text: &'static str,
+    figure: &'static str,
+    limit: f64,
+    show: fn(f64) -> String,
+) -> Goal {
+    Goal {
+        key,
+        text,
+        judge: Box::new(move |run, kind| {
+            let figs = figures(run);
+            let value = median_of(run, kind, fig(&figs, figure)?);
+            value.is_finite().then(|| Verdict {
+                value,
+                text: show(value),
+                met: value <= limit,
+            })
+        }),
+    }
+}
+
 /// The goals; each is judged on medians.
 pub fn goals(run: &Run) -> Vec<Goal> {
     let mut g = Vec::new();
@@ -281,32 +304,20 @@ pub fn goals(run: &Run) -> Vec<Goal> {
             })
         }),
     });
-    g.push(Goal {
-        key: "router_cpu_per_setup_us",
-        text: "(same, the router's own CPU per new connection, pinned ≤ 30 µs)",
-        judge: Box::new(|run, kind| {
-            let figs = figures(run);
-            let us = median_of(run, kind, fig(&figs, "setup_pinned_router_cpu_us")?);
-            us.is_finite().then(|| Verdict {
-                value: us,
-                text: format!("{us:.1} µs"),
-                met: us <= 30.0,
-            })
-        }),
-    });
-    g.push(Goal {
-        key: "rss_per_conn_bytes",
-        text: "userspace memory per established connection ≤ 1 KiB",
-        judge: Box::new(|run, kind| {
-            let figs = figures(run);
-            let b = median_of(run, kind, fig(&figs, "rss_bytes_per_idle_conn")?);
-            b.is_finite().then(|| Verdict {
-                value: b,
-                text: format!("{b:.0} B"),
-                met: b <= 1024.0,
-            })
-        }),
-    });
+    g.push(at_most(
+        "router_cpu_per_setup_us",
+        "(same, the router's own CPU per new connection, pinned ≤ 30 µs)",
+        "setup_pinned_router_cpu_us",
+        30.0,
+        |us| format!("{us:.1} µs"),
+    ));
+    g.push(at_most(
+        "rss_per_conn_bytes",
+        "userspace memory per established connection ≤ 1 KiB",
+        "rss_bytes_per_idle_conn",
+        1024.0,
+        |b| format!("{b:.0} B"),
+    ));
     let cpu_key = if run.settings.bulk_conns.contains(&8) {
         "cpu_s_per_gb_bulk_8"
     } else {
