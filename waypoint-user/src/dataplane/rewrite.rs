@@ -298,7 +298,7 @@ impl Rewriter {
     fn sweep(&self, now: Instant) {
         let due: Vec<Lingering> = {
             let mut queue = lock(&self.lingering);
-            // In order: every connection lingers as long.
+            // In order of `due` (see `Conn::ended`).
             let n = queue.iter().take_while(|l| l.due <= now).count();
             queue.drain(..n).collect()
         };
@@ -889,7 +889,10 @@ impl Conn {
     fn ended(&mut self, end: End, bytes: (u64, u64)) -> Outcome {
         self.unregister();
         if let Some(upstream) = self.upstream.take() {
-            lock(&self.rewriter.lingering).push_back(Lingering {
+            let mut queue = lock(&self.rewriter.lingering);
+            // Read under the lock: the queue stays in order of `due` whichever worker
+            // pushes.
+            queue.push_back(Lingering {
                 due: Instant::now() + LINGER,
                 entries: self.addrs.entries(),
                 slot: self.slot,
