@@ -223,3 +223,90 @@ async fn eager_sender_falls_back_intact_ebpf() {
         "the eager connection was not served by the copy fallback"
     );
 }
+
+/// Bytes that arrive between the drain and the insertion into the SockHash (a pause holds
+/// that moment open here) are queued where the verdict only looks when more data
+/// arrives. A client that then waits for an answer, or whose window they filled (seen
+/// once in CI: a connection stalled with a full window until its idle timeout, an hour),
+/// sends nothing more. They must be forwarded, in order, and the connection spliced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bytes_landing_between_drain_and_insertion_flow_on_ebpf() {
+    const REQUEST: usize = 100_000;
+    const SEED: u64 = 78;
+    const PAUSE: std::time::Duration = std::time::Duration::from_secs(1);
+    common::require_root();
+    let e = std::sync::Arc::new(
+        waypoint::dataplane::ebpf::Ebpf::load(waypoint::dataplane::ebpf::Config {
+            splice_after: 0,
+            sockhash_entry_pause: Some(PAUSE),
+            ..waypoint::dataplane::ebpf::Config::default()
+        })
+        .unwrap(),
+    );
+    let dp = std::sync::Arc::new(waypoint::dataplane::Dataplane::Ebpf(e.clone()));
+    let front = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let back = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = front.local_addr().unwrap();
+    let (go, started) = std::sync::mpsc::channel::<()>();
+    // On its own thread: the pause blocks the worker that runs the entry.
+    let client = tokio::task::spawn_blocking(move || {
+        use std::io::{Read as _, Write as _};
+        let mut c = std::net::TcpStream::connect(addr).unwrap();
+        c.write_all(&[7u8; HELLO]).unwrap();
+        started.recv().unwrap();
+        // Well inside the pause: the drain is done, the insertion not yet.
+        std::thread::sleep(PAUSE / 4);
+        let mut request = vec![0u8; REQUEST];
+        common::pattern_fill(SEED, 0, &mut request);
+        c.write_all(&request).unwrap();
+        c.set_read_timeout(Some(std::time::Duration::from_secs(30)))
+            .unwrap();
+        let mut answer = [0u8; 1];
+        c.read_exact(&mut answer).unwrap();
+        c.shutdown(std::net::Shutdown::Write).unwrap();
+        let mut rest = Vec::new();
+        c.read_to_end(&mut rest).unwrap();
+        (answer[0], rest.len())
+    });
+    let (mut downstream, _) = front.accept().await.unwrap();
+    let mut hello = [0u8; HELLO];
+    downstream.read_exact(&mut hello).await.unwrap();
+    let upstream = TcpStream::connect(back.local_addr().unwrap())
+        .await
+        .unwrap();
+    let (mut server, _) = back.accept().await.unwrap();
+    let forwarder = dp.clone();
+    let forward = tokio::spawn(async move {
+        forwarder
+            .forward(
+                downstream.into(),
+                upstream.into(),
+                hello.to_vec(),
+                Limits::default(),
+            )
+            .await
+    });
+    go.send(()).unwrap();
+    let mut got = vec![0u8; HELLO + REQUEST];
+    tokio::time::timeout(PAUSE * 10, server.read_exact(&mut got))
+        .await
+        .expect("the request is forwarded, not stranded")
+        .unwrap();
+    assert_eq!(got[..HELLO], [7u8; HELLO], "the hello first");
+    assert_eq!(
+        common::pattern_mismatch(SEED, 0, &got[HELLO..]),
+        None,
+        "the request intact, in order"
+    );
+    server.write_all(&[ANSWER]).await.unwrap();
+    let mut rest = Vec::new();
+    server.read_to_end(&mut rest).await.unwrap();
+    assert!(rest.is_empty());
+    server.shutdown().await.unwrap();
+    assert_eq!(client.await.unwrap(), (ANSWER, 0));
+    let outcome = forward.await.unwrap().unwrap();
+    assert_eq!(outcome.end, End::Closed);
+    assert_eq!(outcome.downstream_to_upstream, (HELLO + REQUEST) as u64);
+    assert_eq!(outcome.upstream_to_downstream, 1);
+    assert_eq!(e.fallbacks(), 0, "spliced, not copied");
+}

@@ -146,6 +146,10 @@ pub struct Config {
     /// the waypoint's socket meanwhile.
     #[doc(hidden)]
     pub rewrite_handover_pause: Option<Duration>,
+    /// Tests only: the SockHash entry sleeps this long between draining the sockets'
+    /// queues and inserting them, so that a test can land bytes in between.
+    #[doc(hidden)]
+    pub sockhash_entry_pause: Option<Duration>,
 }
 
 impl Default for Config {
@@ -160,6 +164,7 @@ impl Default for Config {
             rewrite_splice: false,
             pod_port: None,
             rewrite_handover_pause: None,
+            sockhash_entry_pause: None,
         }
     }
 }
@@ -802,8 +807,9 @@ impl Ebpf {
         // after the ClientHello) would go through the verdict from its start, and its
         // read part be delivered a second time. Reading everything queued now leaves no
         // partly-read segment behind; what arrives later is whole. The drain comes last,
-        // right before the insertion, so that little can arrive in between. With `Kick`,
-        // only the socket that goes in first is drained (see [`Entry`]).
+        // right before the insertion, so that little can arrive in between, and a kick
+        // after the insertion sends that little through the verdict. With `Kick`, only
+        // the socket that goes in first is drained (see [`Entry`]).
         let down_first = match entry {
             Entry::Drain => true,
             Entry::Kick => queued(&downstream)? <= queued(&upstream)?,
@@ -816,6 +822,10 @@ impl Ebpf {
             (Entry::Kick, true) => drain_queued(&downstream, &mut down_initial)?,
             (Entry::Kick, false) => drain_queued(&upstream, &mut up_initial)?,
         };
+        if let Some(pause) = self.config.sockhash_entry_pause {
+            // Tests only (a blocking sleep, like the rewrite hand-over's).
+            std::thread::sleep(pause);
+        }
         // A direction with nothing to write first gets its credit before its socket goes
         // in, so that what arrives from now on is redirected, in order, instead of being
         // passed: once passed, a steady sender keeps the direction in userspace until
@@ -833,9 +843,15 @@ impl Ebpf {
             } else {
                 None
             };
-        if attached.is_some() && entry == Entry::Kick {
-            // The insertion alone does not run the verdict over what is queued.
-            set_rcvlowat(if down_first { &upstream } else { &downstream })?;
+        if attached.is_some() {
+            // The insertion alone does not run the verdict over what is queued: with
+            // `Kick`, the second socket's queue; with either, whatever arrived after its
+            // drain. Left queued, those bytes wait for the next segment to arrive, and a
+            // client that waits for an answer, or whose window they filled, sends none
+            // (a connection stalled until its idle timeout). Segments that arrived after
+            // a drain are whole.
+            set_rcvlowat(&downstream)?;
+            set_rcvlowat(&upstream)?;
         }
         let Some((down_flow, up_flow)) = attached else {
             self.fallbacks.fetch_add(1, Relaxed);
