@@ -396,7 +396,11 @@ async fn eager_clients(mark: bool) {
         let mut got = 0u64;
         let mut buf = vec![0u8; 64 * 1024];
         let pod = loop {
-            match s.read(&mut buf).await {
+            // Bounded: a stalled connection fails here, not at its idle timeout (an hour).
+            let read = tokio::time::timeout(Duration::from_secs(30), s.read(&mut buf))
+                .await
+                .unwrap_or_else(|_| panic!("connection {seed}: stalled at byte {got}"));
+            match read {
                 Ok(0) => break Ok(()),
                 Ok(n) => {
                     assert_eq!(
