@@ -335,10 +335,25 @@ pub enum RewriteStat {
     /// `next_seq` 8 times in a row while this one tried to (see the program's
     /// `advance`). Counted also in `Rewritten`.
     Uncounted = 5,
+    /// Packets looked up in the rewrite map: those to a port that clients of spliced
+    /// connections send to, or from a port that their pods send from (see
+    /// [`REWRITE_PORTS_MAP`]). Every other TCP packet of the node is let through on two
+    /// array reads.
+    LookedUp = 6,
 }
 
 /// Number of entries in the rewrite statistics array.
-pub const REWRITE_STAT_COUNT: u32 = 6;
+pub const REWRITE_STAT_COUNT: u32 = 7;
+
+/// Name of the array, indexed by TCP port (host byte order), of the ports whose packets
+/// the rewrite program looks up in [`REWRITES_MAP`]: [`PORT_CLIENT_TO`],
+/// [`PORT_POD_FROM`] bits. The daemon sets a port's bit before the first entry that
+/// needs it goes in, and never clears it.
+pub const REWRITE_PORTS_MAP: &str = "REWRITE_PORTS";
+/// [`REWRITE_PORTS_MAP`]: clients send to this port (a waypoint listener's).
+pub const PORT_CLIENT_TO: u8 = 1;
+/// [`REWRITE_PORTS_MAP`]: pods send from this port.
+pub const PORT_POD_FROM: u8 = 2;
 
 impl RewriteStat {
     /// Every statistic, in index order.
@@ -349,6 +364,7 @@ impl RewriteStat {
         RewriteStat::Syn,
         RewriteStat::Unroutable,
         RewriteStat::Uncounted,
+        RewriteStat::LookedUp,
     ];
 
     /// A short label for metrics.
@@ -360,6 +376,7 @@ impl RewriteStat {
             RewriteStat::Syn => "syn",
             RewriteStat::Unroutable => "unroutable",
             RewriteStat::Uncounted => "uncounted",
+            RewriteStat::LookedUp => "looked_up",
         }
     }
 }

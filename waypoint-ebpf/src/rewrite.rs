@@ -25,14 +25,14 @@ use aya_ebpf::{
         bpf_l4_csum_replace, bpf_redirect_neigh, bpf_skb_load_bytes, bpf_skb_store_bytes,
     },
     macros::{classifier, map},
-    maps::{HashMap, PerCpuArray},
+    maps::{Array, HashMap, PerCpuArray},
     programs::TcContext,
 };
 use core::intrinsics::{atomic_and, atomic_cxchg, atomic_or, atomic_xadd, AtomicOrdering};
 use waypoint_common::{
     Rewrite, RewriteEnd, RewriteKey, RewriteStat, Stat, DEFAULT_MAX_REWRITES, END_CLIENT_RST,
-    END_CLOSED, END_GONE, END_POD_RST, REWRITE_FIN, REWRITE_FROM_POD, REWRITE_RST,
-    REWRITE_STAT_COUNT, REWRITE_TS_LEARNED, REWRITE_WATCH,
+    END_CLOSED, END_GONE, END_POD_RST, PORT_CLIENT_TO, PORT_POD_FROM, REWRITE_FIN,
+    REWRITE_FROM_POD, REWRITE_RST, REWRITE_STAT_COUNT, REWRITE_TS_LEARNED, REWRITE_WATCH,
 };
 
 // Not preallocated, for the same reason as SLOTS: the program writes through the pointer
@@ -43,6 +43,13 @@ static REWRITES: HashMap<RewriteKey, Rewrite> =
 
 #[map]
 static REWRITE_STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(REWRITE_STAT_COUNT, 0);
+
+/// By TCP port: [`PORT_CLIENT_TO`] and [`PORT_POD_FROM`] bits (see
+/// `waypoint_common::REWRITE_PORTS_MAP`). The program runs on every TCP packet of the
+/// node; an array read is a load at a computed address, where a miss in `REWRITES` hashes
+/// the 4-tuple and walks a bucket.
+#[map]
+static REWRITE_PORTS: Array<u8> = Array::with_max_entries(65536, 0);
 
 const ETH_P_IP: u16 = 0x0800;
 const IPPROTO_TCP: u8 = 6;
@@ -152,6 +159,14 @@ fn deliver(ctx: &TcContext, to: &RewriteKey) -> i32 {
             TC_ACT_SHOT
         }
     }
+}
+
+/// `port` has `bit` in [`REWRITE_PORTS`].
+#[inline(always)]
+fn port_has(port: u16, bit: u8) -> bool {
+    REWRITE_PORTS
+        .get(u32::from(port))
+        .is_some_and(|b| *b & bit != 0)
 }
 
 #[inline(always)]
@@ -353,6 +368,13 @@ fn rewrite(ctx: &TcContext) -> Option<RewriteKey> {
     if h.flags & (SYN | ACK) == SYN | ACK {
         return None;
     }
+    // Only a client's packet to A's port, or a pod's from its port, can be ours.
+    if !port_has(u16::from_be(h.dport), PORT_CLIENT_TO)
+        && !port_has(u16::from_be(h.sport), PORT_POD_FROM)
+    {
+        return None;
+    }
+    count(RewriteStat::LookedUp);
     let key = RewriteKey {
         saddr: h.saddr,
         daddr: h.daddr,

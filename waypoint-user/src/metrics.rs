@@ -99,7 +99,9 @@ impl Metrics {
                 registry.register(
                     "rewrite_packets",
                     "Packets of spliced connections seen by the rewrite program, by what it \
-                     did with them",
+                     did with them; looked_up counts every packet to or from a port of a \
+                     spliced connection, which the program looks up in its map (it lets \
+                     every other packet of the node through on a check of its ports)",
                     rewrite_packets.clone(),
                 );
                 registry.register(

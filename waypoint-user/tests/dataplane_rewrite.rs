@@ -213,6 +213,58 @@ async fn echoes(mark: bool) {
     assert_eq!(after_linger(&e).await, (0, 0));
 }
 
+/// A connection between two sockets of this host that no waypoint is part of: ten
+/// round trips of 1 KiB, then both close.
+async fn unrelated_connection() {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut c = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+    let (mut s, _) = l.accept().await.unwrap();
+    let mut buf = [0u8; 1024];
+    for _ in 0..10 {
+        c.write_all(&buf).await.unwrap();
+        s.read_exact(&mut buf).await.unwrap();
+        s.write_all(&buf).await.unwrap();
+        c.read_exact(&mut buf).await.unwrap();
+    }
+    drop(c);
+    assert_eq!(s.read(&mut buf).await.unwrap(), 0);
+}
+
+/// The program runs on every TCP packet of the node, but looks up in its map only those
+/// to a port that clients of spliced connections send to, or from one their pods send
+/// from: other connections cost no lookup, before a splice and after one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_packets_of_spliced_ports_are_looked_up() {
+    let (dp, e) = load();
+    unrelated_connection().await;
+    assert_eq!(stat(&e, RewriteStat::LookedUp), 0, "no port is spliced yet");
+    let back = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut proxy = common::proxy(dp, back.local_addr().unwrap(), HELLO, Limits::default()).await;
+    let addr = proxy.addr;
+    let pod = echo_pod(&back);
+    let cl = async {
+        let mut c = client(addr).await;
+        echo_rounds(&mut c, 10, &[1_000]).await
+    };
+    tokio::join!(pod, cl);
+    let outcome = common::next_outcome(&mut proxy, Duration::from_secs(30)).await;
+    assert_eq!(outcome.end, End::Closed);
+    assert_eq!(e.rewrite_counts().unwrap().0.spliced, 1);
+    let looked = stat(&e, RewriteStat::LookedUp);
+    assert!(
+        looked >= stat(&e, RewriteStat::Rewritten) && looked > 20,
+        "the spliced connection's packets are looked up ({looked})"
+    );
+    assert_eq!(after_linger(&e).await, (0, 0));
+    let looked = stat(&e, RewriteStat::LookedUp);
+    unrelated_connection().await;
+    assert_eq!(
+        stat(&e, RewriteStat::LookedUp),
+        looked,
+        "a connection between other ports was looked up"
+    );
+}
+
 /// A reset from the pod reaches the client, and the connection ends as such.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pod_reset_reaches_client() {

@@ -34,7 +34,7 @@ use std::{
 };
 
 use aya::{
-    maps::{HashMap, MapData, PerCpuArray, RingBuf, SockHash},
+    maps::{Array, HashMap, MapData, PerCpuArray, RingBuf, SockHash},
     programs::{SchedClassifier, SkSkb},
     Ebpf as Loaded, EbpfLoader,
 };
@@ -47,8 +47,9 @@ use tokio::net::TcpStream;
 use tracing::{debug, info, trace, warn};
 use waypoint_common::{
     Rewrite, RewriteKey, RewriteStat, Stat, ENDS_MAP, FLOWS_MAP, PEERS_MAP, POD_PORT, REWRITES_MAP,
-    REWRITE_PROG, REWRITE_STATS_MAP, SIGNALS_MAP, SKB_SEQ_OFFSET, SKB_SK_OFFSET, SLOTS_MAP,
-    SOCK_OPS_SK_OFFSET, STATS_MAP, TCP_COPIED_SEQ_OFFSET, TCP_TSOFFSET_OFFSET, VERDICT_PROG,
+    REWRITE_PORTS_MAP, REWRITE_PROG, REWRITE_STATS_MAP, SIGNALS_MAP, SKB_SEQ_OFFSET, SKB_SK_OFFSET,
+    SLOTS_MAP, SOCK_OPS_SK_OFFSET, STATS_MAP, TCP_COPIED_SEQ_OFFSET, TCP_TSOFFSET_OFFSET,
+    VERDICT_PROG,
 };
 
 use super::established::Records;
@@ -460,6 +461,9 @@ impl Ebpf {
             let map: HashMap<MapData, RewriteKey, Rewrite> = take(&mut loaded, REWRITES_MAP)?
                 .try_into()
                 .map_err(|e| map_error(REWRITES_MAP, e))?;
+            let ports: Array<MapData, u8> = take(&mut loaded, REWRITE_PORTS_MAP)?
+                .try_into()
+                .map_err(|e| map_error(REWRITE_PORTS_MAP, e))?;
             let aya::maps::Map::PerCpuArray(rstats) = take(&mut loaded, REWRITE_STATS_MAP)? else {
                 return Err(map_error(REWRITE_STATS_MAP, "not a per-CPU array"));
             };
@@ -486,7 +490,7 @@ impl Ebpf {
             let ends: RingBuf<MapData> = take(&mut loaded, ENDS_MAP)?
                 .try_into()
                 .map_err(|e| map_error(ENDS_MAP, e))?;
-            Some((map, rstats, ends, records))
+            Some((map, ports, rstats, ends, records))
         } else {
             None
         };
@@ -498,14 +502,17 @@ impl Ebpf {
             None => None,
         };
         let (rewrite, ends) = match rewrite {
-            Some((map, rstats, ends, records)) => (Some((map, rstats, records)), Some(ends)),
+            Some((map, ports, rstats, ends, records)) => {
+                (Some((map, ports, rstats, records)), Some(ends))
+            }
             None => (None, None),
         };
         let signals = Signals::start(ring, ends, signal_stats)?;
         let rewrite = match rewrite {
-            Some((map, rstats, records)) => {
+            Some((map, ports, rstats, records)) => {
                 let rewriter = Arc::new(Rewriter::new(
                     map,
+                    ports,
                     rstats,
                     signals.clone(),
                     config.rewrite_handover_pause,

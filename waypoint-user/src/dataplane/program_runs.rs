@@ -14,11 +14,14 @@ use std::{
 };
 
 use aya::{
-    maps::{HashMap, MapData},
+    maps::{Array, HashMap, MapData},
     programs::{SchedClassifier, SkSkb},
     EbpfLoader,
 };
-use waypoint_common::{Rewrite, RewriteKey, REWRITES_MAP, REWRITE_PROG, VERDICT_PROG};
+use waypoint_common::{
+    Rewrite, RewriteKey, PORT_CLIENT_TO, REWRITES_MAP, REWRITE_PORTS_MAP, REWRITE_PROG,
+    VERDICT_PROG,
+};
 
 use super::{bpf_cmd, ebpf::OBJECT};
 
@@ -138,6 +141,9 @@ fn concurrent_runs_count_each_byte_once() {
         ..Rewrite::default()
     };
     map.insert(client, entry, 0).unwrap();
+    let mut ports: Array<MapData, u8> =
+        Array::try_from(loaded.take_map(REWRITE_PORTS_MAP).unwrap()).unwrap();
+    ports.set(15443, PORT_CLIENT_TO, 0).unwrap();
 
     let packets: Vec<Vec<u8>> = (0..SEGMENTS)
         .map(|k| segment(START.wrapping_add(k * LEN), LEN as usize))

@@ -43,19 +43,22 @@ use std::{
     os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd},
     pin::Pin,
     sync::{
-        atomic::{AtomicU32, AtomicU64, Ordering::Relaxed},
+        atomic::{
+            AtomicU32, AtomicU64, AtomicU8,
+            Ordering::{Acquire, Relaxed, Release},
+        },
         Arc, Condvar, Mutex, MutexGuard,
     },
     task::{Context, Poll},
     time::{Duration, Instant},
 };
 
-use aya::maps::{HashMap, IterableMap as _, MapData, PerCpuArray};
+use aya::maps::{Array, HashMap, IterableMap as _, MapData, MapError, PerCpuArray};
 use tracing::{debug, warn};
 use waypoint_common::{
     Established, Rewrite, RewriteEnd, RewriteKey, RewriteStat, END_CLIENT_RST, END_CLOSED,
-    END_GONE, END_POD_RST, ESTABLISHED_TS_OFFSET, ESTABLISHED_V4, REWRITE_FIN, REWRITE_FROM_POD,
-    REWRITE_RST, REWRITE_SLOT_BASE, REWRITE_WATCH,
+    END_GONE, END_POD_RST, ESTABLISHED_TS_OFFSET, ESTABLISHED_V4, PORT_CLIENT_TO, PORT_POD_FROM,
+    REWRITE_FIN, REWRITE_FROM_POD, REWRITE_RST, REWRITE_SLOT_BASE, REWRITE_WATCH,
 };
 
 use super::ebpf::per_cpu_total;
@@ -191,6 +194,40 @@ pub(super) struct Rewriter {
     pod_port: Option<u16>,
     /// Ended connections whose entries linger, oldest first ([`Rewriter::sweep`]).
     lingering: Mutex<VecDeque<Lingering>>,
+    /// The ports whose packets the program looks up.
+    ports: Ports,
+}
+
+/// The program's port filter (`REWRITE_PORTS_MAP`), and the bits set in it so far, so
+/// that only the first connection through a port writes to the map. Bits are never
+/// cleared: a port costs the node's packets to or from it a lookup, nothing more.
+struct Ports {
+    map: Mutex<Array<MapData, u8>>,
+    set: Box<[AtomicU8]>,
+}
+
+impl Ports {
+    fn new(map: Array<MapData, u8>) -> Self {
+        Ports {
+            map: Mutex::new(map),
+            set: (0..=u16::MAX).map(|_| AtomicU8::new(0)).collect(),
+        }
+    }
+
+    /// Sets `bit` of `port`, unless it is set already.
+    fn allow(&self, port: u16, bit: u8) -> Result<(), MapError> {
+        let Some(set) = self.set.get(usize::from(port)) else {
+            return Ok(());
+        };
+        if set.load(Acquire) & bit != 0 {
+            return Ok(());
+        }
+        let mut map = lock(&self.map);
+        let bits = set.load(Acquire) | bit;
+        map.set(u32::from(port), bits, 0)?;
+        set.store(bits, Release);
+        Ok(())
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -248,6 +285,7 @@ struct Entries {
 impl Rewriter {
     pub fn new(
         map: HashMap<MapData, RewriteKey, Rewrite>,
+        ports: Array<MapData, u8>,
         stats: PerCpuArray<MapData, u64>,
         signals: Arc<Signals>,
         pause: Option<Duration>,
@@ -270,6 +308,7 @@ impl Rewriter {
             recorded: AtomicU64::new(0),
             pod_port,
             lingering: Mutex::new(VecDeque::new()),
+            ports: Ports::new(ports),
         }
     }
 
@@ -599,6 +638,17 @@ impl Rewriter {
             next_seq: seqs.b_rcv,
             ..Rewrite::default()
         };
+        // Before the entries: the program looks up only packets to or from these ports.
+        if let Err(e) = self
+            .ports
+            .allow(addrs.a_local.port(), PORT_CLIENT_TO)
+            .and_then(|()| self.ports.allow(addrs.pod.port(), PORT_POD_FROM))
+        {
+            debug!(error = %e, "rewrite hand-over: setting the port filter failed");
+            let _ = set_repair(a, TCP_REPAIR_OFF_NO_WP);
+            self.pending.fetch_sub(1, Relaxed);
+            return Err(Refusal::Setup);
+        }
         self.signals.expect(slot);
         let mut map = lock(&self.map);
         // One call for both. The pod's direction first: the client's packets are
