@@ -34,6 +34,7 @@ use std::{
     pin::{pin, Pin},
     time::{Duration, Instant},
 };
+use tracing::debug;
 
 use futures::future::{Either, TryFutureExt as _};
 use tokio::net::TcpStream;
@@ -441,6 +442,107 @@ fn write_all_now(sock: &impl AsFd, buf: &[u8]) -> io::Result<usize> {
 
 /// `TCP_ESTABLISHED` from include/net/tcp_states.h (`tcp_info::tcpi_state`).
 pub(crate) const TCP_ESTABLISHED: u8 = 1;
+/// `TCP_CLOSE`: the state of a reset or aborted socket.
+pub(crate) const TCP_CLOSE: u8 = 7;
+const TCP_FIN_WAIT1: u8 = 4;
+const TCP_FIN_WAIT2: u8 = 5;
+const TCP_TIME_WAIT: u8 = 6;
+const TCP_CLOSE_WAIT: u8 = 8;
+const TCP_LAST_ACK: u8 = 9;
+const TCP_CLOSING: u8 = 11;
+
+/// The socket's FIN is queued or sent: it counts one sequence number in what its TCP
+/// took from its writers (`tcpi_bytes_acked` + SIOCOUTQ).
+pub(crate) fn fin_sent(state: u8) -> bool {
+    matches!(
+        state,
+        TCP_FIN_WAIT1 | TCP_FIN_WAIT2 | TCP_TIME_WAIT | TCP_LAST_ACK | TCP_CLOSING
+    )
+}
+
+/// The peer's FIN arrived: it counts one in `tcpi_bytes_received`.
+fn fin_received(state: u8) -> bool {
+    matches!(
+        state,
+        TCP_CLOSE_WAIT | TCP_LAST_ACK | TCP_CLOSING | TCP_TIME_WAIT
+    )
+}
+
+/// Bytes in the socket's send queue, sent or not (SIOCOUTQ).
+pub(crate) fn unsent_or_unacked(sock: &impl AsFd) -> io::Result<u64> {
+    let mut outq: libc::c_int = 0;
+    // SAFETY: SIOCOUTQ (= TIOCOUTQ) writes one int through the pointer; the fd is open.
+    let rc = unsafe { libc::ioctl(sock.as_fd().as_raw_fd(), libc::TIOCOUTQ, &mut outq) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(u64::try_from(outq).unwrap_or(0))
+}
+
+/// What a socket's TCP received from its peer and took from its writers over its life,
+/// FINs and SYN taken out.
+struct Carried {
+    received: u64,
+    taken: u64,
+}
+
+impl Carried {
+    /// `dialed`: the socket connected (its SYN counts one in `tcpi_bytes_acked`; an
+    /// accepted socket's SYN-ACK does not).
+    fn of(sock: &impl AsFd, dialed: bool) -> io::Result<Carried> {
+        // TCP_INFO first, SIOCOUTQ second, as in `ebpf::handed`: the sum understates at
+        // worst, which reads as held.
+        let info = tcp_info(sock)?;
+        let outq = unsent_or_unacked(sock)?;
+        let state = info.tcpi_state;
+        if state == TCP_CLOSE {
+            return Err(io::ErrorKind::NotConnected.into());
+        }
+        Ok(Carried {
+            received: info
+                .tcpi_bytes_received
+                .saturating_sub(u64::from(fin_received(state))),
+            taken: (info.tcpi_bytes_acked + outq)
+                .saturating_sub(u64::from(fin_sent(state)) + u64::from(dialed)),
+        })
+    }
+}
+
+/// Whether bytes are held between the two peers: received by one side's TCP and not
+/// (yet) taken by the other side's, whether they wait unread in a socket, in the
+/// daemon's buffers, a pipe or the kernel's redirect backlog. Every byte one peer sends
+/// is forwarded to the other, the ClientHello included, so over the connection's life
+/// the two counts meet once nothing is on the way. `downstream` was accepted,
+/// `upstream` dialed, as the router does. Unknown (a socket reset, or a failed read)
+/// counts as held.
+pub(crate) fn holds_bytes(downstream: &impl AsFd, upstream: &impl AsFd) -> bool {
+    match (Carried::of(downstream, false), Carried::of(upstream, true)) {
+        (Ok(d), Ok(u)) => d.received > u.taken || u.received > d.taken,
+        _ => true,
+    }
+}
+
+/// A forced end (idle timeout, lifetime): both sides close with FIN when nothing is on
+/// the way between them, and are reset otherwise. A FIN behind bytes that will never
+/// arrive would tell the peer that the stream it got was whole.
+pub(crate) fn forced_end(end: End, downstream: &impl AsFd, upstream: &impl AsFd) -> End {
+    if holds_bytes(downstream, upstream) {
+        debug!(
+            end = end.as_str(),
+            "bytes held between the peers: both reset"
+        );
+        abort_on_close(downstream);
+        abort_on_close(upstream);
+    }
+    end
+}
+
+/// The socket closes with RST (see [`abort_on_close`]).
+pub(crate) fn resets_on_close(sock: &impl AsFd) -> bool {
+    socket2::SockRef::from(sock)
+        .linger()
+        .is_ok_and(|l| l == Some(Duration::ZERO))
+}
 
 /// The socket's `TCP_INFO`. An error if the kernel filled less than the fields up to
 /// `tcpi_bytes_received` (Linux 4.1), which the dataplanes read.
@@ -543,14 +645,16 @@ where
                 DirEnd::DestReset => return reset(End::DownstreamReset),
                 DirEnd::Error(e) => return fail(&e),
             },
-            _ = &mut deadline, if limits.max_lifetime.is_some() => return End::LifetimeExceeded,
+            _ = &mut deadline, if limits.max_lifetime.is_some() => {
+                return forced_end(End::LifetimeExceeded, downstream, upstream);
+            }
             _ = ticker.tick() => {
                 let now = progress();
                 if now != last_progress {
                     last_progress = now;
                     last_change = Instant::now();
                 } else if last_change.elapsed() >= limits.idle_timeout {
-                    return End::IdleTimeout;
+                    return forced_end(End::IdleTimeout, downstream, upstream);
                 }
             }
         }

@@ -61,6 +61,7 @@ for_each_dataplane!(
     data_and_fin_queued_before_forwarding,
     upstream_fin_queued_before_forwarding,
     idle_timeout_closes_silent_connection,
+    idle_timeout_resets_both_when_bytes_are_held,
     trickle_keeps_connection_open,
     lifetime_closes_silent_connection,
     lifetime_closes_busy_connection,
@@ -141,6 +142,29 @@ async fn recv_to_eof(r: &mut (impl AsyncRead + Unpin), seed: u64, what: &str) ->
     timeout(BOUND, read)
         .await
         .unwrap_or_else(|_| panic!("{what}: no EOF within {BOUND:?}"))
+}
+
+/// Reads to EOF (None) or to an error (its kind), checking every byte against stream
+/// `seed`; returns the count too.
+async fn recv_to_end(
+    r: &mut (impl AsyncRead + Unpin),
+    seed: u64,
+    what: &str,
+) -> (u64, Option<std::io::ErrorKind>) {
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut total = 0u64;
+    loop {
+        let n = match timeout(BOUND, r.read(&mut buf)).await {
+            Err(_) => panic!("{what}: neither data nor an end for {BOUND:?} after {total} bytes"),
+            Ok(Ok(0)) => return (total, None),
+            Ok(Ok(n)) => n,
+            Ok(Err(e)) => return (total, Some(e.kind())),
+        };
+        if let Some(at) = common::pattern_mismatch(seed, total, &buf[..n]) {
+            panic!("{what}: wrong byte at offset {at}");
+        }
+        total += n as u64;
+    }
 }
 
 /// Reads until the stream fails, checking the bytes against stream `seed`; sends on
@@ -577,6 +601,58 @@ async fn idle_timeout_closes_silent_connection(kind: Kind) {
     expect_eof(&mut s, "server").await;
 }
 
+/// (g) The idle timeout of a connection with bytes still on the way: the server reads
+/// nothing while the client writes more than every buffer between them holds, until
+/// nothing moves. Both sides are reset: a FIN would tell the server that the stream it
+/// got was whole. The server still reads every byte that reached it, in order, then the
+/// reset.
+async fn idle_timeout_resets_both_when_bytes_are_held(kind: Kind) {
+    const MORE_THAN_HELD: u64 = 64 << 20;
+    let (server, mut proxy) = setup(kind, HELLO, SHORT_IDLE).await;
+    let mut c = connect_with_hello(&proxy).await;
+    let mut s = accept_hello(&server).await;
+    let client = tokio::spawn(async move {
+        let mut buf = vec![0u8; 256 * 1024];
+        let mut sent = 0u64;
+        while sent < MORE_THAN_HELD {
+            common::pattern_fill(SEED_UP, sent, &mut buf);
+            if let Err(e) = c.write_all(&buf).await {
+                return (sent, Some(e.kind()));
+            }
+            sent += buf.len() as u64;
+        }
+        (sent, None)
+    });
+    let out = common::next_outcome(&mut proxy, BOUND).await;
+    assert_eq!(out.end, End::IdleTimeout, "{kind:?}: {out:?}");
+    let (got, end) = recv_to_end(&mut s, SEED_UP, "server").await;
+    assert_eq!(
+        end,
+        Some(std::io::ErrorKind::ConnectionReset),
+        "{kind:?}: the server's end after {got} bytes, with bytes held on the way"
+    );
+    let (sent, client_err) = timeout(BOUND, client)
+        .await
+        .expect("the client's write ends")
+        .unwrap();
+    assert!(
+        matches!(
+            client_err,
+            Some(std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe)
+        ),
+        "{kind:?}: client: {client_err:?} after {sent} bytes"
+    );
+    assert!(
+        got < sent,
+        "{kind:?}: the server got {got} bytes of the {sent} the client's writes took"
+    );
+    // What the upstream socket took: at a reset, what it had not sent yet is dropped.
+    assert!(
+        (HELLO as u64 + got..=HELLO as u64 + sent).contains(&out.downstream_to_upstream),
+        "{kind:?}: {out:?}, server got {got}, client sent {sent}"
+    );
+}
+
 /// (g) A connection trickling one byte every 100 ms for 1 s (more than three idle
 /// timeouts) stays open, and still works both ways afterwards.
 async fn trickle_keeps_connection_open(kind: Kind) {
@@ -667,8 +743,9 @@ async fn lifetime_closes_busy_connection(kind: Kind) {
     let mut s = accept_hello(&server).await;
 
     // One byte every 50 ms until the proxy closes the connection; the client reads
-    // nothing, so its read returning is the close. That close may be a reset: a byte
-    // arriving after the proxy stopped reading is unread data at close time.
+    // nothing, so its read returning is the close. That close may be a reset: a byte on
+    // its way when the lifetime ends is held between the two sides (which resets both),
+    // or arrives after the proxy stopped reading (unread data at close time).
     let client = tokio::spawn(async move {
         let mut ticker = tokio::time::interval(Duration::from_millis(50));
         let mut sent = 0u64;
@@ -692,11 +769,12 @@ async fn lifetime_closes_busy_connection(kind: Kind) {
             }
         }
     });
-    let got = recv_to_eof(&mut s, SEED_UP, "server").await;
+    let (got, end) = recv_to_end(&mut s, SEED_UP, "server").await;
 
     let out = common::next_outcome(&mut proxy, BOUND).await;
     eprintln!(
-        "{kind:?}: busy connection closed {:?} after connecting (max_lifetime 1 s)",
+        "{kind:?}: busy connection closed {:?} after connecting (max_lifetime 1 s), \
+         the server saw {end:?}",
         started.elapsed()
     );
     let sent = timeout(BOUND, client)
@@ -708,10 +786,18 @@ async fn lifetime_closes_busy_connection(kind: Kind) {
         got >= 10,
         "{kind:?}: the connection was busy ({got} bytes arrived)"
     );
-    assert_eq!(
-        out.downstream_to_upstream,
-        HELLO as u64 + got,
-        "{kind:?}: counted bytes are the ones delivered (client sent {sent})"
-    );
+    match end {
+        // Nothing was on the way: the count is exact.
+        None => assert_eq!(
+            out.downstream_to_upstream,
+            HELLO as u64 + got,
+            "{kind:?}: counted bytes are the ones delivered (client sent {sent})"
+        ),
+        Some(std::io::ErrorKind::ConnectionReset) => assert!(
+            out.downstream_to_upstream >= HELLO as u64 + got,
+            "{kind:?}: {out:?}, the server got {got}"
+        ),
+        Some(e) => panic!("{kind:?}: server: {e:?} after {got} bytes"),
+    }
     assert_eq!(out.upstream_to_downstream, 0, "{kind:?}: {out:?}");
 }

@@ -28,7 +28,7 @@ use tokio::{
 use tracing::debug;
 
 use super::{
-    abort_on_close, classify_read_error, classify_write_error,
+    abort_on_close, classify_read_error, classify_write_error, forced_end,
     park::{Parked, Parker},
     shutdown_write, DirEnd, End, Limits, Outcome,
 };
@@ -584,7 +584,7 @@ impl Copier {
         while this.timer.as_mut().poll(cx).is_ready() {
             let now = Instant::now();
             if this.lifetime_end.is_some_and(|end| now >= end) {
-                return Poll::Ready(Stop::Ended(End::LifetimeExceeded));
+                return Poll::Ready(Stop::Ended(forced_end(End::LifetimeExceeded, down, up)));
             }
             let progress = this.dirs[0].moved + this.dirs[1].moved;
             if progress != *this.last_progress {
@@ -593,7 +593,7 @@ impl Copier {
             } else {
                 let quiet = now.duration_since(*this.last_change);
                 if quiet >= *this.idle_timeout {
-                    return Poll::Ready(Stop::Ended(End::IdleTimeout));
+                    return Poll::Ready(Stop::Ended(forced_end(End::IdleTimeout, down, up)));
                 }
                 // Both directions were polled above and registered their wakers: nothing
                 // is buffered, nothing has ended, and (not having moved) the connection is

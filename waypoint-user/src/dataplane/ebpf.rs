@@ -63,7 +63,8 @@ use super::TCP_ESTABLISHED;
 use super::{
     abort_on_close, btf, classify_read_error, classify_write_error,
     copy::{copy, write_all, Copied},
-    drive, read_now, shutdown_write, tcp_info, DirEnd, End, Limits, Outcome, Socket,
+    drive, fin_sent, read_now, resets_on_close, shutdown_write, tcp_info, unsent_or_unacked,
+    DirEnd, End, Limits, Outcome, Socket, TCP_CLOSE,
 };
 
 /// The eBPF object built by waypoint-user's build script from waypoint-ebpf.
@@ -98,15 +99,6 @@ const REFRESH_INTERVAL: Duration = Duration::from_millis(1);
 /// covers a pass that raced the direction's catching up and sent no signal (see
 /// `signals.rs`).
 const IDLE_REFRESHES: u32 = 8;
-
-/// `TCP_CLOSE` from include/net/tcp_states.h: the state of a reset or aborted socket.
-const TCP_CLOSE: u8 = 7;
-/// The states (include/net/tcp_states.h) of a socket whose FIN is queued or sent.
-const TCP_FIN_WAIT1: u8 = 4;
-const TCP_FIN_WAIT2: u8 = 5;
-const TCP_TIME_WAIT: u8 = 6;
-const TCP_LAST_ACK: u8 = 9;
-const TCP_CLOSING: u8 = 11;
 
 /// `SO_COOKIE` from linux/socket.h (not exported by the libc crate).
 const SO_COOKIE: libc::c_int = 57;
@@ -960,7 +952,10 @@ impl Ebpf {
                 end,
             });
         }
-        let graceful = matches!(end, End::IdleTimeout | End::LifetimeExceeded);
+        // Both sides get a FIN at a forced end, unless `drive` found bytes held between
+        // them and arranged resets.
+        let graceful =
+            matches!(end, End::IdleTimeout | End::LifetimeExceeded) && !resets_on_close(&upstream);
         let outcome = Outcome {
             downstream_to_upstream: delivered(
                 &upstream,
@@ -1479,18 +1474,12 @@ struct Handed {
 }
 
 fn handed(sock: &impl AsFd) -> io::Result<Handed> {
-    let fd = sock.as_fd().as_raw_fd();
     // TCP_INFO first, SIOCOUTQ second: acks between the two calls move bytes out of the
     // queue after bytes_acked was read, so the sum can only understate.
     let info = tcp_info(sock)?;
-    let mut outq: libc::c_int = 0;
-    // SAFETY: SIOCOUTQ (= TIOCOUTQ) writes one int through the pointer.
-    let rc = unsafe { libc::ioctl(fd, libc::TIOCOUTQ, &mut outq) };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    let outq = unsent_or_unacked(sock)?;
     Ok(Handed {
-        bytes: info.tcpi_bytes_acked + u64::try_from(outq).unwrap_or(0),
+        bytes: info.tcpi_bytes_acked + outq,
         acked: info.tcpi_bytes_acked,
         closed: info.tcpi_state == TCP_CLOSE,
         state: info.tcpi_state,
@@ -1514,10 +1503,7 @@ fn delivered(dst: &impl AsFd, base: u64, counted: u64, graceful: bool) -> u64 {
     match handed_settled(dst) {
         // Once our FIN is queued it counts one sequence number in `handed`.
         Ok(h) => {
-            let fin = u64::from(matches!(
-                h.state,
-                TCP_FIN_WAIT1 | TCP_FIN_WAIT2 | TCP_TIME_WAIT | TCP_LAST_ACK | TCP_CLOSING
-            ));
+            let fin = u64::from(fin_sent(h.state));
             counted.min(h.bytes.saturating_sub(base).saturating_sub(fin))
         }
         // Unknown: the verdict's count is the best figure left.
