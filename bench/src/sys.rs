@@ -512,8 +512,8 @@ mod tests {
         // machine only makes it take longer.
         std::thread::spawn(|| {
             let own = || {
-                let t = nix::time::clock_gettime(nix::time::ClockId::CLOCK_THREAD_CPUTIME_ID)
-                    .unwrap();
+                let t =
+                    nix::time::clock_gettime(nix::time::ClockId::CLOCK_THREAD_CPUTIME_ID).unwrap();
                 Duration::from(t)
             };
             while own() < Duration::from_millis(50) {
@@ -534,14 +534,20 @@ mod tests {
         let child_before = cpu_ns(pid);
         let deadline = std::time::Instant::now() + Duration::from_secs(30);
         while cpu_ns(pid).saturating_sub(child_before) < 100_000_000 {
-            assert!(std::time::Instant::now() < deadline, "the child never ran 100 ms");
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the child never ran 100 ms"
+            );
             std::thread::sleep(Duration::from_millis(10));
         }
         let child_ran = cpu_ns(pid).saturating_sub(child_before);
         let spun = cpu_ns_tree(me) - tree_before;
         child.kill().unwrap();
         child.wait().unwrap();
-        assert!(spun >= child_ran, "tree {spun} ns, child alone {child_ran} ns");
+        assert!(
+            spun >= child_ran,
+            "tree {spun} ns, child alone {child_ran} ns"
+        );
         assert_eq!(cpu_ns(i32::MAX), 0);
     }
 }

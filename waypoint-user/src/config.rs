@@ -273,12 +273,14 @@ pub struct Config {
     #[arg(long, env = "WAYPOINT_PIPE_SIZE", value_parser = parse_bytes, default_value = "1MiB")]
     pub pipe_size: u64,
 
-    /// Close a connection when no byte moved in either direction for this long.
+    /// Close a connection when no byte moved in either direction for this long: with a
+    /// FIN to both sides, or a reset to both if bytes are still on the way between them
+    /// (a peer that stopped reading).
     #[arg(long, env = "WAYPOINT_IDLE_TIMEOUT", value_parser = parse_duration, default_value = "1h")]
     pub idle_timeout: Duration,
 
-    /// Close a connection this long after it was accepted, whatever it is doing. Unset:
-    /// no limit.
+    /// Close a connection this long after it was accepted, whatever it is doing (a reset
+    /// to both sides if bytes are on the way, as for --idle-timeout). Unset: no limit.
     #[arg(long, env = "WAYPOINT_MAX_LIFETIME", value_parser = parse_duration)]
     pub max_lifetime: Option<Duration>,
 

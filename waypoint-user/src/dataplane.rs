@@ -67,9 +67,11 @@ impl Kind {
 /// Limits applied to every forwarded connection.
 #[derive(Clone, Copy, Debug)]
 pub struct Limits {
-    /// Close a connection when no byte moved in either direction for this long.
+    /// Close a connection when no byte moved in either direction for this long (see
+    /// [`forced_end`] for how).
     pub idle_timeout: Duration,
-    /// Close a connection this long after it started, whatever it is doing (None: never).
+    /// Close a connection this long after it started, whatever it is doing (None: never;
+    /// see [`forced_end`]).
     pub max_lifetime: Option<Duration>,
     /// Park a connection in the copy (the copy dataplane, or the eBPF dataplane before
     /// `--splice-after`) once no byte moved for this long (None: never). See [`park`].
