@@ -114,6 +114,30 @@ async fn bulk_256mib_each_way_copy() {
     bulk_both_ways(Kind::Copy).await;
 }
 
+/// Dials `back` and forwards `downstream`, whose `hello` was read, to it through `dp`, in
+/// a task of its own; returns the server's end and the task.
+async fn forward_to(
+    dp: &std::sync::Arc<waypoint::dataplane::Dataplane>,
+    back: &TcpListener,
+    downstream: TcpStream,
+    hello: &[u8],
+) -> (
+    TcpStream,
+    tokio::task::JoinHandle<Result<waypoint::dataplane::Outcome, waypoint::dataplane::Error>>,
+) {
+    let upstream = TcpStream::connect(back.local_addr().unwrap())
+        .await
+        .unwrap();
+    let (server, _) = back.accept().await.unwrap();
+    let forward = dp.forward(
+        downstream.into(),
+        upstream.into(),
+        hello.to_vec(),
+        Limits::default(),
+    );
+    (server, tokio::spawn(forward))
+}
+
 /// Bytes queued on the downstream socket (SIOCINQ).
 fn queued(sock: &TcpStream) -> usize {
     use std::os::fd::AsRawFd as _;
@@ -179,21 +203,7 @@ async fn eager_sender_falls_back_intact_ebpf() {
         );
         tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     }
-    let upstream = TcpStream::connect(back.local_addr().unwrap())
-        .await
-        .unwrap();
-    let (mut server, _) = back.accept().await.unwrap();
-    let forwarder = dp.clone();
-    let forward = tokio::spawn(async move {
-        forwarder
-            .forward(
-                downstream.into(),
-                upstream.into(),
-                hello.to_vec(),
-                Limits::default(),
-            )
-            .await
-    });
+    let (mut server, forward) = forward_to(&dp, &back, downstream, &hello).await;
     let mut got = vec![0u8; HELLO];
     server.read_exact(&mut got).await.unwrap();
     assert_eq!(got, [7u8; HELLO], "the hello first");
@@ -271,21 +281,7 @@ async fn bytes_landing_between_drain_and_insertion_flow_on_ebpf() {
     let (mut downstream, _) = front.accept().await.unwrap();
     let mut hello = [0u8; HELLO];
     downstream.read_exact(&mut hello).await.unwrap();
-    let upstream = TcpStream::connect(back.local_addr().unwrap())
-        .await
-        .unwrap();
-    let (mut server, _) = back.accept().await.unwrap();
-    let forwarder = dp.clone();
-    let forward = tokio::spawn(async move {
-        forwarder
-            .forward(
-                downstream.into(),
-                upstream.into(),
-                hello.to_vec(),
-                Limits::default(),
-            )
-            .await
-    });
+    let (mut server, forward) = forward_to(&dp, &back, downstream, &hello).await;
     go.send(()).unwrap();
     let mut got = vec![0u8; HELLO + REQUEST];
     tokio::time::timeout(PAUSE * 10, server.read_exact(&mut got))
