@@ -139,8 +139,7 @@ async fn forward_to(
 }
 
 /// Bytes queued on the downstream socket (SIOCINQ).
-fn queued(sock: &TcpStream) -> usize {
-    use std::os::fd::AsRawFd as _;
+fn queued(sock: &impl std::os::fd::AsRawFd) -> usize {
     let mut n: libc::c_int = 0;
     // SAFETY: FIONREAD (= SIOCINQ) writes one int through the pointer.
     let rc = unsafe { libc::ioctl(sock.as_raw_fd(), libc::FIONREAD, &mut n) };
@@ -241,6 +240,8 @@ async fn eager_sender_falls_back_intact_ebpf() {
 /// sends nothing more. They must be forwarded, in order, and the connection spliced.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bytes_landing_between_drain_and_insertion_flow_on_ebpf() {
+    /// Queued behind the hello when the dataplane takes over: the drain takes it.
+    const FIRST: usize = 1_000;
     const REQUEST: usize = 100_000;
     const SEED: u64 = 78;
     const PAUSE: std::time::Duration = std::time::Duration::from_secs(1);
@@ -262,13 +263,13 @@ async fn bytes_landing_between_drain_and_insertion_flow_on_ebpf() {
     let client = tokio::task::spawn_blocking(move || {
         use std::io::{Read as _, Write as _};
         let mut c = std::net::TcpStream::connect(addr).unwrap();
+        let mut stream = vec![0u8; FIRST + REQUEST];
+        common::pattern_fill(SEED, 0, &mut stream);
         c.write_all(&[7u8; HELLO]).unwrap();
+        c.write_all(&stream[..FIRST]).unwrap();
+        // The drain is done, the insertion 1 s away.
         started.recv().unwrap();
-        // Well inside the pause: the drain is done, the insertion not yet.
-        std::thread::sleep(PAUSE / 4);
-        let mut request = vec![0u8; REQUEST];
-        common::pattern_fill(SEED, 0, &mut request);
-        c.write_all(&request).unwrap();
+        c.write_all(&stream[FIRST..]).unwrap();
         c.set_read_timeout(Some(std::time::Duration::from_secs(30)))
             .unwrap();
         let mut answer = [0u8; 1];
@@ -281,9 +282,27 @@ async fn bytes_landing_between_drain_and_insertion_flow_on_ebpf() {
     let (mut downstream, _) = front.accept().await.unwrap();
     let mut hello = [0u8; HELLO];
     downstream.read_exact(&mut hello).await.unwrap();
+    let waited = std::time::Instant::now();
+    while queued(&downstream) < FIRST {
+        assert!(waited.elapsed() < PAUSE * 10, "the first bytes arrive");
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    // A second descriptor of the waypoint's socket, to see the drain empty its queue;
+    // closed before the connection ends, which it would otherwise keep open.
+    let probe = std::os::fd::AsFd::as_fd(&downstream)
+        .try_clone_to_owned()
+        .unwrap();
     let (mut server, forward) = forward_to(&dp, &back, downstream, &hello).await;
+    while queued(&probe) != 0 {
+        assert!(
+            waited.elapsed() < PAUSE * 10,
+            "the dataplane drains the queue"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    drop(probe);
     go.send(()).unwrap();
-    let mut got = vec![0u8; HELLO + REQUEST];
+    let mut got = vec![0u8; HELLO + FIRST + REQUEST];
     tokio::time::timeout(PAUSE * 10, server.read_exact(&mut got))
         .await
         .expect("the request is forwarded, not stranded")
@@ -292,7 +311,7 @@ async fn bytes_landing_between_drain_and_insertion_flow_on_ebpf() {
     assert_eq!(
         common::pattern_mismatch(SEED, 0, &got[HELLO..]),
         None,
-        "the request intact, in order"
+        "the first bytes and the request intact, in order"
     );
     server.write_all(&[ANSWER]).await.unwrap();
     let mut rest = Vec::new();
@@ -302,7 +321,10 @@ async fn bytes_landing_between_drain_and_insertion_flow_on_ebpf() {
     assert_eq!(client.await.unwrap(), (ANSWER, 0));
     let outcome = forward.await.unwrap().unwrap();
     assert_eq!(outcome.end, End::Closed);
-    assert_eq!(outcome.downstream_to_upstream, (HELLO + REQUEST) as u64);
+    assert_eq!(
+        outcome.downstream_to_upstream,
+        (HELLO + FIRST + REQUEST) as u64
+    );
     assert_eq!(outcome.upstream_to_downstream, 1);
     assert_eq!(e.fallbacks(), 0, "spliced, not copied");
 }
