@@ -7,11 +7,12 @@ use serde_json::{json, Value};
 
 use crate::{
     chart,
-    cli::{Cli, Compare, Figure, Scale, Task},
+    cli::{Cli, Compare, Figure, Scale, Soak, Task},
     hello, report,
     routers::Kind,
     scale,
     servers::Servers,
+    soak,
     suite::{self, Settings},
     sys,
 };
@@ -24,6 +25,7 @@ pub fn run(cli: Cli) -> anyhow::Result<bool> {
     match cli.task {
         Task::Compare(c) => compare(c).map(|()| true),
         Task::Scale(s) => scale_check(s),
+        Task::Soak(s) => soak_run(s),
         Task::ScaleServer { ip, sink_ip, port } => {
             scale::worker::server(ip, sink_ip, port).map(|()| true)
         }
@@ -244,4 +246,43 @@ fn scale_check(s: Scale) -> anyhow::Result<bool> {
         json_path.display()
     );
     Ok(ok)
+}
+
+fn soak_run(s: Soak) -> anyhow::Result<bool> {
+    check_waypoint(&s.common.waypoint)?;
+    let kinds = s
+        .dataplanes
+        .iter()
+        .map(|d| {
+            Kind::parse(d).filter(|k| k.is_waypoint()).with_context(|| {
+                format!("--dataplanes {d:?}: use ebpf, ebpf-rewrite, splice or copy")
+            })
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let modes = s
+        .modes
+        .iter()
+        .map(|m| soak::Mode::parse(m).with_context(|| format!("--modes {m:?}: use tls or raw")))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    if s.parallel == 0 || s.seconds.is_nan() || s.seconds <= 0.0 {
+        bail!("--parallel and --seconds must be above 0");
+    }
+    let work = Work::new()?;
+    let seed = s.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+    });
+    soak::run(&soak::Settings {
+        kinds,
+        modes,
+        duration: Duration::from_secs_f64(s.seconds),
+        parallel: s.parallel,
+        busy: s.busy,
+        deadline: Duration::from_secs(s.deadline),
+        seed,
+        replay: s.replay,
+        waypoint_bin: s.common.waypoint.clone(),
+        work: work.0.clone(),
+    })
 }

@@ -21,6 +21,10 @@ pub enum Task {
     /// Holds --connections concurrent connections through one waypoint, spot-checks them,
     /// reports the daemon's memory, then closes them. Bounded by --timeout.
     Scale(Scale),
+    /// Thousands of mixed connections (real TLS and raw, short, ping-pong, bulk,
+    /// send-then-wait, slow reader, abort) through one waypoint per dataplane, under CPU
+    /// contention, every byte and every close checked. Exits 2 if any connection failed.
+    Soak(Soak),
     /// (internal) An echo pod of the scale check.
     #[command(hide = true)]
     ScaleServer {
@@ -59,6 +63,43 @@ pub struct Common {
     /// Where the report, JSON and charts go.
     #[arg(long, env = "WAYPOINT_BENCH_OUT", default_value = "target/bench")]
     pub out: PathBuf,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct Soak {
+    #[command(flatten)]
+    pub common: Common,
+    /// Dataplanes, comma-separated: ebpf, ebpf-rewrite (ebpf with --rewrite-splice),
+    /// splice, copy.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "ebpf,ebpf-rewrite,splice,copy"
+    )]
+    pub dataplanes: Vec<String>,
+    /// How connections speak, comma-separated, mixed at random: tls (a real handshake),
+    /// raw (the recorded hello with the client's bytes right behind it).
+    #[arg(long, value_delimiter = ',', default_value = "tls,raw")]
+    pub modes: Vec<String>,
+    /// Seconds new connections are started, per dataplane.
+    #[arg(long, default_value_t = 60.0)]
+    pub seconds: f64,
+    /// Connections open at once.
+    #[arg(long, default_value_t = 24)]
+    pub parallel: usize,
+    /// Threads that keep CPUs busy meanwhile.
+    #[arg(long, default_value_t = 1)]
+    pub busy: usize,
+    /// Seconds a connection may take before it counts as failed.
+    #[arg(long, default_value_t = 60)]
+    pub deadline: u64,
+    /// The run's seed (default: from the clock); printed, so that a run can be repeated.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Every connection uses this connection seed (as a failure prints it): replays one
+    /// connection's plan, many times in parallel.
+    #[arg(long)]
+    pub replay: Option<u64>,
 }
 
 #[derive(Debug, clap::Args)]

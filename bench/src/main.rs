@@ -12,6 +12,7 @@ mod report;
 mod routers;
 mod scale;
 mod servers;
+mod soak;
 mod suite;
 mod sys;
 

@@ -46,17 +46,22 @@ pub struct Settings {
 
 /// One sample of the waypoint's metric `name` (None: no answer, or no such sample).
 pub fn metric(admin: SocketAddr, name: &str) -> Option<f64> {
+    metrics_text(admin)?.lines().find_map(|l| {
+        l.strip_prefix(name)
+            .and_then(|rest| rest.strip_prefix(' '))
+            .and_then(|v| v.trim().parse().ok())
+    })
+}
+
+/// The waypoint's whole `/metrics` page.
+pub fn metrics_text(admin: SocketAddr) -> Option<String> {
     let mut s = TcpStream::connect_timeout(&admin, IO_TIMEOUT).ok()?;
     s.set_read_timeout(Some(IO_TIMEOUT)).ok()?;
     s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
         .ok()?;
     let mut text = String::new();
     s.read_to_string(&mut text).ok()?;
-    text.lines().find_map(|l| {
-        l.strip_prefix(name)
-            .and_then(|rest| rest.strip_prefix(' '))
-            .and_then(|v| v.trim().parse().ok())
-    })
+    Some(text)
 }
 
 /// How long the benchmarks wait at most for the waypoint to park every idle connection

@@ -42,6 +42,14 @@ enum Task {
         #[command(flatten)]
         compare: CompareArgs,
     },
+    /// The soak (root): thousands of mixed connections, real TLS and raw, through one
+    /// waypoint per dataplane under CPU contention, every byte checked; fails on any
+    /// failed connection. Options after `--` go to `waypoint-bench soak` (e.g.
+    /// `-- --seconds 300 --dataplanes ebpf --replay SEED`; `-- --help` lists them).
+    Soak {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
     /// The two-cluster demo (root): builds the release binaries, sets up two clusters on
     /// network namespaces with etcd and a waypoint per node, shows a request crossing
     /// them, then cleans up.
@@ -159,6 +167,7 @@ fn main() -> anyhow::Result<()> {
         Task::Test { no_lint } => test(&root, no_lint),
         Task::Fuzz { seconds } => fuzz(&root, seconds),
         Task::Demo { keep, dataplane } => demo(&root, keep, &dataplane),
+        Task::Soak { args } => soak(&root, &args),
         Task::E2eKind { keep } => {
             // Printed and exited here rather than returned: an anyhow error would capture
             // and symbolize a backtrace under RUST_BACKTRACE=1, which takes seconds.
@@ -242,6 +251,16 @@ fn build_bench(root: &Path) -> anyhow::Result<(PathBuf, PathBuf)> {
     ]))?;
     let release = target_dir(root).join("release");
     Ok((release.join("waypoint-bench"), release.join("waypoint")))
+}
+
+fn soak(root: &Path, args: &[String]) -> anyhow::Result<()> {
+    let (bench, waypoint) = build_bench(root)?;
+    run(Command::new(bench)
+        .current_dir(root)
+        .arg("soak")
+        .arg("--waypoint")
+        .arg(waypoint)
+        .args(args))
 }
 
 fn bench_compare(root: &Path, a: &CompareArgs) -> anyhow::Result<()> {

@@ -1,0 +1,519 @@
+//! The soak: thousands of mixed connections through one waypoint per dataplane, every
+//! byte checked, under CPU contention, bounded in time. It proves the byte path by
+//! volume: a connection that does not finish by its deadline, ends early, or carries one
+//! wrong byte fails the run.
+//!
+//! One process holds everything but the waypoint: the clients (a runtime of their own),
+//! the pod (`soak::server`, another runtime) and the busy threads. Connections speak real
+//! TLS end to end (rustls both sides, the e2e's test PKI) or raw (the recorded hello with
+//! the client's bytes right behind it). Each connection's plan (`soak::scenario`) is a
+//! function of its seed; a failure prints the seed, both waypoint sockets' TCP state
+//! (`ss`) and the waypoint's dataplane counters.
+
+mod client;
+mod scenario;
+mod server;
+mod wire;
+
+use std::{
+    collections::BTreeMap,
+    fmt::Write as _,
+    net::{IpAddr, SocketAddr},
+    path::PathBuf,
+    sync::{
+        atomic::{AtomicBool, AtomicU64, Ordering::Relaxed},
+        Arc, Mutex,
+    },
+    time::{Duration, Instant},
+};
+
+use anyhow::Context as _;
+use rustls_pki_types::ServerName;
+use serde_json::json;
+
+pub use client::Mode;
+use client::{Client, Ended};
+use scenario::{mix, Header, Scenario, Spec};
+use waypoint_e2e::{pki, tls};
+
+use crate::{
+    hello,
+    routers::{Kind, Router, Setup},
+    scale,
+    servers::Servers,
+};
+
+/// Failures reported in full (with `ss` and the counters); the rest are counted.
+const DIAGNOSED: usize = 5;
+/// How long the pod's connections may take to end after the last client finished.
+const POD_CLOSE_WAIT: Duration = Duration::from_secs(15);
+/// The soak's pod address (its port is the kernel's pick, the waypoint's `--pod-port`).
+const POD_IP: [u8; 4] = [127, 0, 5, 1];
+
+/// What a soak run does.
+pub struct Settings {
+    pub kinds: Vec<Kind>,
+    pub modes: Vec<Mode>,
+    /// How long new connections are started, per dataplane.
+    pub duration: Duration,
+    /// Connections open at once.
+    pub parallel: usize,
+    /// Threads that keep CPUs busy meanwhile.
+    pub busy: usize,
+    /// A connection not finished after this long fails.
+    pub deadline: Duration,
+    pub seed: u64,
+    /// Every connection uses this seed (replays one failed connection's plan).
+    pub replay: Option<u64>,
+    pub waypoint_bin: PathBuf,
+    pub work: PathBuf,
+}
+
+/// One failed connection.
+#[derive(Debug)]
+struct Failure {
+    id: u64,
+    seed: u64,
+    mode: Mode,
+    scenario: Scenario,
+    size: u64,
+    error: String,
+    elapsed: Duration,
+    sent: u64,
+    received: u64,
+    report: Option<String>,
+}
+
+/// Counts per (mode, scenario).
+#[derive(Debug, Default, Clone, Copy)]
+struct Tally {
+    connections: u64,
+    failed: u64,
+    bytes: u64,
+}
+
+/// What one dataplane's run gave.
+struct Outcome {
+    kind: Kind,
+    tallies: BTreeMap<(Mode, Scenario), Tally>,
+    failures: Vec<Failure>,
+    /// Pod-side failures of connections the clients saw succeed, or before a header.
+    pod_failures: Vec<server::Failure>,
+    /// Pod-side connections still open after every client finished.
+    left_open: u64,
+    pod_checked: u64,
+    router_died: bool,
+    counters: String,
+    wall: Duration,
+}
+
+impl Outcome {
+    fn failed(&self) -> u64 {
+        self.tallies.values().map(|t| t.failed).sum::<u64>()
+            + self.pod_failures.len() as u64
+            + self.left_open
+            + u64::from(self.router_died)
+    }
+
+    fn connections(&self) -> u64 {
+        self.tallies.values().map(|t| t.connections).sum()
+    }
+}
+
+/// Runs the soak on every dataplane of `s`; Ok(false) when a connection failed.
+pub fn run(s: &Settings) -> anyhow::Result<bool> {
+    let nofile = crate::sys::raise_nofile(65_536)?;
+    let pki_dir = s.work.join("pki");
+    let pki = pki::Pki::generate(
+        &pki_dir,
+        &[
+            (hello::NAMESPACE, hello::ECHO_SERVICE),
+            (hello::NAMESPACE, "soak"),
+        ],
+    )?;
+    let server_tls = Arc::new(tls::server_config(&pki.files(hello::ECHO_SERVICE))?);
+    let client_tls = tls::client_config(
+        &pki.files("soak"),
+        hello::ECHO_SNI,
+        &pki::spiffe_id(hello::NAMESPACE, hello::ECHO_SERVICE),
+    )?;
+    let raw_hello = hello::with_sni(hello::ECHO_SNI)?;
+    let pod = server::Server::start(
+        SocketAddr::new(IpAddr::from(POD_IP), 0),
+        raw_hello.clone(),
+        server_tls,
+    )?;
+    // The waypoint only needs the endpoint list: the soak's pod as the echo service.
+    let registry = Servers::start(&[], IpAddr::from([127, 0, 5, 250]), 0, 1)?
+        .advertising(vec![pod.addr.ip()], pod.addr.port());
+    let setup = Setup {
+        dir: &s.work,
+        servers: &registry,
+        waypoint_bin: &s.waypoint_bin,
+        max_connections: 4 * s.parallel + 1024,
+        nofile,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("soak-client")
+        .enable_all()
+        .build()
+        .context("building the clients' runtime")?;
+    eprintln!(
+        "soak: {} s per dataplane, {} connections at once, {} busy thread(s), deadline {:?}, seed {}{}",
+        s.duration.as_secs_f64(),
+        s.parallel,
+        s.busy,
+        s.deadline,
+        s.seed,
+        s.replay.map(|r| format!(", every connection replays seed {r}")).unwrap_or_default()
+    );
+    let mut outcomes = Vec::new();
+    for &kind in &s.kinds {
+        let mut router = Router::start(kind, &setup)
+            .with_context(|| format!("starting the waypoint ({})", kind.name()))?;
+        let client = Client {
+            target: router.echo.addr,
+            hello: Arc::new(raw_hello.clone()),
+            tls: tokio_rustls::TlsConnector::from(Arc::new(client_tls.clone())),
+            sni: ServerName::try_from(hello::ECHO_SNI.to_owned())
+                .context("the soak's SNI is no DNS name")?,
+            deadline: s.deadline,
+        };
+        let outcome = rt.block_on(soak_one(s, kind, &client, &pod, router.admin));
+        let mut outcome = outcome;
+        outcome.router_died = !router.alive();
+        router.stop();
+        eprintln!("{}", describe(&outcome));
+        outcomes.push(outcome);
+    }
+    rt.shutdown_background();
+    pod.shutdown();
+    registry.shutdown();
+    println!("{}", summary(s, &outcomes));
+    Ok(outcomes.iter().all(|o| o.failed() == 0))
+}
+
+/// One dataplane's run: `parallel` lanes start connections until the duration is over,
+/// then every connection finishes or meets its deadline.
+async fn soak_one(
+    s: &Settings,
+    kind: Kind,
+    client: &Client,
+    pod: &server::Server,
+    admin: Option<SocketAddr>,
+) -> Outcome {
+    let started = Instant::now();
+    let stop_busy = Arc::new(AtomicBool::new(false));
+    let busy: Vec<_> = (0..s.busy)
+        .map(|_| {
+            let stop = stop_busy.clone();
+            std::thread::spawn(move || {
+                let mut x = 0u64;
+                while !stop.load(Relaxed) {
+                    x = std::hint::black_box(mix(x));
+                }
+            })
+        })
+        .collect();
+    if let Ok(mut f) = pod.state.failures.lock() {
+        f.clear();
+    }
+    let pod_checked_before = pod.state.checked.load(Relaxed);
+    let next = Arc::new(AtomicU64::new(0));
+    let tallies = Arc::new(Mutex::new(BTreeMap::new()));
+    let failures = Arc::new(Mutex::new(Vec::new()));
+    let mut lanes = tokio::task::JoinSet::new();
+    for _ in 0..s.parallel {
+        let lane = Lane {
+            client: client.clone(),
+            next: next.clone(),
+            tallies: tallies.clone(),
+            failures: failures.clone(),
+            modes: s.modes.clone(),
+            seed: s.seed,
+            replay: s.replay,
+            until: started + s.duration,
+            pod: pod.state.clone(),
+            admin,
+        };
+        lanes.spawn(lane.run());
+    }
+    while lanes.join_next().await.is_some() {}
+    // Every client is done: the pod's side of each connection must end too (an abort's
+    // reset, every other connection's close, passed on by the waypoint).
+    let wait = Instant::now();
+    while pod.state.open.load(Relaxed) > 0 && wait.elapsed() < POD_CLOSE_WAIT {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop_busy.store(true, Relaxed);
+    for b in busy {
+        let _ = b.join();
+    }
+    let tallies = std::mem::take(&mut *tallies.lock().unwrap_or_else(|p| p.into_inner()));
+    let mut failures = std::mem::take(&mut *failures.lock().unwrap_or_else(|p| p.into_inner()));
+    failures.sort_by_key(|f| f.id);
+    // Pod-side failures of connections whose client failed are that failure, seen from
+    // the other end; the rest count on their own.
+    let pod_failures = pod
+        .state
+        .failures
+        .lock()
+        .map(|f| {
+            f.iter()
+                .filter(|pf| pf.id.is_none_or(|id| failures.iter().all(|c| c.id != id)))
+                .cloned()
+                .collect()
+        })
+        .unwrap_or_default();
+    let counters = match admin {
+        Some(a) => tokio::task::spawn_blocking(move || counters(a))
+            .await
+            .unwrap_or_default(),
+        None => String::new(),
+    };
+    Outcome {
+        kind,
+        tallies,
+        failures,
+        pod_failures,
+        left_open: pod.state.open.load(Relaxed),
+        pod_checked: pod.state.checked.load(Relaxed) - pod_checked_before,
+        router_died: false,
+        counters,
+        wall: started.elapsed(),
+    }
+}
+
+/// One of the soak's parallel connection loops.
+struct Lane {
+    client: Client,
+    next: Arc<AtomicU64>,
+    tallies: Arc<Mutex<BTreeMap<(Mode, Scenario), Tally>>>,
+    failures: Arc<Mutex<Vec<Failure>>>,
+    modes: Vec<Mode>,
+    seed: u64,
+    replay: Option<u64>,
+    until: Instant,
+    pod: Arc<server::State>,
+    admin: Option<SocketAddr>,
+}
+
+impl Lane {
+    async fn run(self) {
+        while Instant::now() < self.until {
+            let id = self.next.fetch_add(1, Relaxed);
+            let seed = self.replay.unwrap_or_else(|| mix(self.seed ^ mix(id)));
+            let spec = Spec::from_seed(seed);
+            let mode = self.modes[(mix(seed ^ 0x6d6f_6465) % self.modes.len() as u64) as usize];
+            let header = Header {
+                id,
+                spec: spec.clone(),
+            };
+            let progress = wire::Progress::default();
+            let Ended {
+                result,
+                socket,
+                elapsed,
+            } = self.client.run(&header, mode, &progress).await;
+            let received = progress.received.load(Relaxed);
+            let failed = result.is_err();
+            if let Ok(mut t) = self.tallies.lock() {
+                let t = t.entry((mode, spec.scenario)).or_default();
+                t.connections += 1;
+                t.failed += u64::from(failed);
+                t.bytes += received;
+            }
+            let Err(error) = result else { continue };
+            let diagnose = self
+                .failures
+                .lock()
+                .map(|f| f.len() < DIAGNOSED)
+                .unwrap_or(false);
+            let report = if diagnose {
+                Some(self.report(socket.as_ref(), id).await)
+            } else {
+                None
+            };
+            drop(socket);
+            if let Ok(mut f) = self.failures.lock() {
+                f.push(Failure {
+                    id,
+                    seed,
+                    mode,
+                    scenario: spec.scenario,
+                    size: spec.size,
+                    error: error.to_string(),
+                    elapsed,
+                    sent: progress.sent.load(Relaxed),
+                    received,
+                    report,
+                });
+            }
+        }
+    }
+
+    /// Both of the waypoint's sockets of a failed connection as `ss` shows them (found by
+    /// the client's port and by the port the waypoint dialed the pod from), and the
+    /// waypoint's counters, taken while the connection is still open.
+    async fn report(&self, socket: Option<&tokio::net::TcpStream>, id: u64) -> String {
+        let mut out = String::new();
+        let client_port = socket.and_then(|s| s.local_addr().ok()).map(|a| a.port());
+        let pod_port = self
+            .pod
+            .peers
+            .lock()
+            .ok()
+            .and_then(|p| p.get(&id).map(SocketAddr::port));
+        for (what, port) in [("client side", client_port), ("pod side", pod_port)] {
+            let Some(port) = port else {
+                let _ = writeln!(out, "  {what}: no socket known");
+                continue;
+            };
+            let filter = format!("( sport = :{port} or dport = :{port} )");
+            let ss = tokio::process::Command::new("ss")
+                .args(["-tniem", "state", "all", &filter])
+                .output()
+                .await;
+            let text = match ss {
+                Ok(o) => String::from_utf8_lossy(&o.stdout).into_owned(),
+                Err(e) => format!("ss: {e}"),
+            };
+            let _ = writeln!(out, "  {what} (port {port}):");
+            for l in text.lines() {
+                let _ = writeln!(out, "    {}", l.trim_end());
+            }
+        }
+        if let Some(a) = self.admin {
+            let c = tokio::task::spawn_blocking(move || counters(a))
+                .await
+                .unwrap_or_default();
+            let _ = writeln!(out, "  waypoint counters then:\n{c}");
+        }
+        out
+    }
+}
+
+/// The waypoint's dataplane counters (its /metrics, the lines that tell how bytes
+/// moved), indented.
+fn counters(admin: SocketAddr) -> String {
+    const SHOWN: [&str; 5] = [
+        "waypoint_ebpf_",
+        "waypoint_dataplane_",
+        "waypoint_rewrite_connections_total",
+        "waypoint_rewrite_packets_total",
+        "waypoint_connections_total",
+    ];
+    let Some(text) = scale::metrics_text(admin) else {
+        return "    (the waypoint's /metrics did not answer)\n".into();
+    };
+    let mut out = String::new();
+    for l in text.lines() {
+        if SHOWN.iter().any(|p| l.starts_with(p)) && !l.ends_with(" 0") {
+            let _ = writeln!(out, "    {l}");
+        }
+    }
+    out
+}
+
+/// One dataplane's result, for the log as it goes.
+fn describe(o: &Outcome) -> String {
+    let mut out = format!(
+        "soak {}: {} connections, {} failed, {:.1} GB checked at the pod, {:.0} s",
+        o.kind.name(),
+        o.connections(),
+        o.failed(),
+        o.pod_checked as f64 / 1e9,
+        o.wall.as_secs_f64()
+    );
+    for f in &o.failures {
+        let _ = write!(
+            out,
+            "\n  FAILED connection {} ({} {}, size {}, replay with --replay {}): {} after {:.1} s, sent {} B, received {} B",
+            f.id,
+            f.mode.name(),
+            f.scenario.name(),
+            f.size,
+            f.seed,
+            f.error,
+            f.elapsed.as_secs_f64(),
+            f.sent,
+            f.received
+        );
+        if let Some(r) = &f.report {
+            let _ = write!(out, "\n{}", r.trim_end());
+        }
+    }
+    for f in &o.pod_failures {
+        let _ = write!(
+            out,
+            "\n  FAILED at the pod: connection {} ({}): {}",
+            f.id.map_or("before its header".into(), |i| i.to_string()),
+            f.scenario.map_or("?", Scenario::name),
+            f.error
+        );
+    }
+    if o.left_open > 0 {
+        let _ = write!(
+            out,
+            "\n  FAILED: {} pod-side connection(s) still open {} s after every client finished",
+            o.left_open,
+            POD_CLOSE_WAIT.as_secs()
+        );
+    }
+    if o.router_died {
+        let _ = write!(out, "\n  FAILED: the waypoint exited during the run");
+    }
+    if !o.counters.is_empty() {
+        let _ = write!(out, "\n  counters at the end:\n{}", o.counters.trim_end());
+    }
+    out
+}
+
+/// The closing table: per dataplane, mode and scenario, connections, failures and bytes
+/// the clients checked; then the JSON line the docs quote from.
+fn summary(s: &Settings, outcomes: &[Outcome]) -> String {
+    let mut out = String::from(
+        "\n| dataplane | mode | scenario | connections | failed | MB checked by clients |\n|---|---|---|---|---|---|\n",
+    );
+    for o in outcomes {
+        for ((mode, scenario), t) in &o.tallies {
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {} | {} | {:.1} |",
+                o.kind.name(),
+                mode.name(),
+                scenario.name(),
+                t.connections,
+                t.failed,
+                t.bytes as f64 / 1e6
+            );
+        }
+    }
+    let mut total = json!({});
+    for o in outcomes {
+        total[o.kind.name()] = json!({
+            "connections": o.connections(),
+            "failed": o.failed(),
+            "pod_bytes_checked": o.pod_checked,
+            "seconds": o.wall.as_secs_f64(),
+        });
+    }
+    let _ = writeln!(
+        out,
+        "\nsoak seed {} ({} s per dataplane, {} at once, {} busy): {}",
+        s.seed,
+        s.duration.as_secs_f64(),
+        s.parallel,
+        s.busy,
+        total
+    );
+    // Every failure counts against the connections, also those that are no one
+    // connection's (a pod-side failure before the header, a connection left open, the
+    // waypoint's exit).
+    let failed: u64 = outcomes.iter().map(Outcome::failed).sum();
+    let connections: u64 = outcomes.iter().map(Outcome::connections).sum();
+    let passed = connections.saturating_sub(failed);
+    let _ = write!(out, "soak: {passed} passed, {failed} failed");
+    out
+}
