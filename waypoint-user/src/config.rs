@@ -295,6 +295,17 @@ pub struct Config {
     #[arg(long, env = "WAYPOINT_PARK_AFTER", value_parser = parse_duration, default_value = "100ms")]
     pub park_after: Duration,
 
+    /// Count and log a stalled connection: one with bytes held inside the waypoint (its
+    /// one side's TCP received them, the other side's has not taken them) towards a side
+    /// that waits on nothing (an empty send queue: not a slow reader's backpressure),
+    /// whose byte counts did not move for this long. Each is counted once in
+    /// waypoint_dataplane_stalls_total{dataplane} and logged once at warn with both
+    /// sockets' state. Checked at the idle checks, so it is seen between one and two times
+    /// this after its bytes stopped. Does not apply to connections spliced by
+    /// --rewrite-splice (the daemon's sockets carry no byte). 0 never checks.
+    #[arg(long, env = "WAYPOINT_STALL_AFTER", value_parser = parse_duration, default_value = "10s")]
+    pub stall_after: Duration,
+
     /// Address of the admin HTTP server: /metrics (Prometheus), /healthz (liveness),
     /// /readyz (readiness). Separate from the tunnel port.
     #[arg(long, env = "WAYPOINT_ADMIN_ADDR", default_value = "127.0.0.1:15021")]
@@ -308,6 +319,7 @@ impl Config {
             idle_timeout: self.idle_timeout,
             max_lifetime: self.max_lifetime,
             park_after: Some(self.park_after).filter(|p| !p.is_zero()),
+            stall_after: Some(self.stall_after).filter(|s| !s.is_zero()),
         }
     }
 

@@ -9,7 +9,8 @@
 //!
 //! They share the connection semantics implemented in [`drive`]: a FIN from one side is
 //! passed on as a half-close to the other only after every byte before it; a reset from
-//! one side aborts the other; an idle or over-age connection is closed.
+//! one side aborts the other; an idle or over-age connection is closed. A connection that
+//! holds bytes and makes no progress is counted and logged once ([`stall`]).
 
 mod bpf_cmd;
 mod btf;
@@ -25,7 +26,10 @@ pub mod rewrite;
 mod send_buffer;
 mod signals;
 pub mod splice;
+mod stall;
 mod watch;
+
+pub use stall::{stalls, Stalls, DEFAULT_STALL_AFTER};
 
 use std::{
     future::Future,
@@ -76,6 +80,10 @@ pub struct Limits {
     /// Park a connection in the copy (the copy dataplane, or the eBPF dataplane before
     /// `--splice-after`) once no byte moved for this long (None: never). See [`park`].
     pub park_after: Option<Duration>,
+    /// Count and log a connection that holds bytes between its peers, none of which
+    /// moved for this long, towards a destination that waits on nothing (None: never).
+    /// See [`stall`].
+    pub stall_after: Option<Duration>,
 }
 
 /// Default for [`Limits::park_after`].
@@ -87,7 +95,22 @@ impl Default for Limits {
             idle_timeout: Duration::from_secs(3600),
             max_lifetime: None,
             park_after: Some(DEFAULT_PARK_AFTER),
+            stall_after: Some(DEFAULT_STALL_AFTER),
         }
+    }
+}
+
+impl Limits {
+    /// How often a connection's idle check runs (the idle timeout, and the stall
+    /// watchdog): a quarter of the idle timeout and half the stall window, but at least
+    /// every 5 s and at most every 10 ms. The idle timeout then fires within 25 % of its
+    /// setting, and a stall is counted between one and two windows after its counts
+    /// last moved (the window starts at the first check that finds them still).
+    pub(crate) fn check_every(&self) -> Duration {
+        let idle = self.idle_timeout / 4;
+        let stall = self.stall_after.map_or(idle, |s| s / 2);
+        idle.min(stall)
+            .clamp(Duration::from_millis(10), Duration::from_secs(5))
     }
 }
 
@@ -481,6 +504,18 @@ pub(crate) fn unsent_or_unacked(sock: &impl AsFd) -> io::Result<u64> {
     Ok(u64::try_from(outq).unwrap_or(0))
 }
 
+/// Bytes received and not yet read from the socket (SIOCINQ).
+pub(crate) fn queued(sock: &impl AsFd) -> io::Result<usize> {
+    let mut n: libc::c_int = 0;
+    // SAFETY: FIONREAD (= SIOCINQ) writes one int through the pointer; the fd is open.
+    let rc = unsafe { libc::ioctl(sock.as_fd().as_raw_fd(), libc::FIONREAD, &mut n) };
+    if rc == 0 {
+        Ok(usize::try_from(n).unwrap_or(0))
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
 /// What a socket's TCP received from its peer and took from its writers over its life,
 /// FINs and SYN taken out.
 struct Carried {
@@ -496,6 +531,11 @@ impl Carried {
         // worst, which reads as held.
         let info = tcp_info(sock)?;
         let outq = unsent_or_unacked(sock)?;
+        Carried::from_info(&info, outq, dialed)
+    }
+
+    /// As [`Carried::of`], from the socket's `TCP_INFO` and then its SIOCOUTQ.
+    fn from_info(info: &libc::tcp_info, outq: u64, dialed: bool) -> io::Result<Carried> {
         let state = info.tcpi_state;
         if state == TCP_CLOSE {
             return Err(io::ErrorKind::NotConnected.into());
@@ -588,19 +628,22 @@ pub(crate) fn shutdown_write(sock: &impl AsFd) -> io::Result<()> {
 ///
 /// `down_to_up` reads downstream and writes upstream, `up_to_down` the reverse.
 /// `progress` returns a number that grows whenever bytes move (used for the idle timer);
-/// it is only called every few seconds at most. Both sockets are closed by the caller
-/// dropping them; this function only arranges *how* (FIN or RST).
+/// it is only called every few seconds at most. `watchdog` runs the connection's stall
+/// watchdog ([`stall::Watchdog::check`]) at each idle check, told whether `progress`
+/// moved since the last one. Both sockets are closed by the caller dropping them; this
+/// function only arranges *how* (FIN or RST).
 ///
 /// The directions come pinned by the caller: taken by value, each would be stored twice
 /// in this future (as the argument, and pinned), which was a third of the memory of an
 /// idle connection.
-pub(crate) async fn drive<A, B>(
+async fn drive<A, B>(
     downstream: &impl AsFd,
     upstream: &impl AsFd,
     limits: Limits,
     mut down_to_up: Pin<&mut A>,
     mut up_to_down: Pin<&mut B>,
     progress: impl Fn() -> u64,
+    mut watchdog: impl FnMut(Instant, bool),
 ) -> End
 where
     A: Future<Output = DirEnd>,
@@ -609,9 +652,7 @@ where
     let mut d2u_done = false;
     let mut u2d_done = false;
 
-    // Idle check cadence: a quarter of the idle timeout, but at least every 5 s and at
-    // most every 10 ms, so the timeout fires within 25 % of its setting.
-    let tick = (limits.idle_timeout / 4).clamp(Duration::from_millis(10), Duration::from_secs(5));
+    let tick = limits.check_every();
     let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + tick, tick);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last_progress = progress();
@@ -651,13 +692,16 @@ where
                 return forced_end(End::LifetimeExceeded, downstream, upstream);
             }
             _ = ticker.tick() => {
-                let now = progress();
-                if now != last_progress {
-                    last_progress = now;
-                    last_change = Instant::now();
-                } else if last_change.elapsed() >= limits.idle_timeout {
+                let now = Instant::now();
+                let count = progress();
+                let moved = count != last_progress;
+                if moved {
+                    last_progress = count;
+                    last_change = now;
+                } else if now.duration_since(last_change) >= limits.idle_timeout {
                     return forced_end(End::IdleTimeout, downstream, upstream);
                 }
+                watchdog(now, moved);
             }
         }
         if d2u_done && u2d_done {

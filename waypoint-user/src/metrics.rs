@@ -61,6 +61,9 @@ pub struct Metrics {
     park_failures: Counter,
     // Last parking totals read, as `ebpf_seen`.
     parks_seen: Mutex<Vec<u64>>,
+    stalls: Family<DataplaneLabel, Counter>,
+    // Last stall totals read, as `ebpf_seen`.
+    stalls_seen: Mutex<crate::dataplane::Stalls>,
 }
 
 impl Metrics {
@@ -170,6 +173,19 @@ impl Metrics {
             "Times an idle connection could not be parked and stayed in tokio",
             park_failures.clone(),
         );
+        let stalls = Family::<DataplaneLabel, Counter>::default();
+        // Every label from the start, so that a stall shows as an increase from 0.
+        drop(stalls.get_or_create(&DataplaneLabel {
+            dataplane: dataplane.kind().as_str(),
+        }));
+        registry.register(
+            "dataplane_stalls",
+            "Connections counted as stalled (each once, and logged at warn): bytes held \
+             inside the waypoint towards a side with an empty send queue, and no byte count \
+             of either side moved for --stall-after. The eBPF dataplane's userspace copy \
+             phase counts as ebpf",
+            stalls.clone(),
+        );
         Metrics {
             registry,
             dataplane,
@@ -188,6 +204,8 @@ impl Metrics {
             parks,
             park_failures,
             parks_seen: Mutex::new(Vec::new()),
+            stalls,
+            stalls_seen: Mutex::new(crate::dataplane::Stalls::default()),
         }
     }
 
@@ -266,6 +284,20 @@ impl Metrics {
             let mut seen = self.parks_seen.lock().unwrap_or_else(|p| p.into_inner());
             inc_to(&self.parks, &mut seen, 0, p.parks);
             inc_to(&self.park_failures, &mut seen, 1, p.failures);
+        }
+        {
+            let now = crate::dataplane::stalls();
+            let mut seen = self.stalls_seen.lock().unwrap_or_else(|p| p.into_inner());
+            let before = seen.by_dataplane();
+            for ((kind, total), (_, before)) in now.by_dataplane().into_iter().zip(before) {
+                if total > before {
+                    let dataplane = kind.as_str();
+                    self.stalls
+                        .get_or_create(&DataplaneLabel { dataplane })
+                        .inc_by(total - before);
+                }
+            }
+            *seen = now;
         }
         let mut out = String::new();
         // Writing to a String cannot fail.

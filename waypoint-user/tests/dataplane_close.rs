@@ -574,6 +574,7 @@ const SHORT_IDLE: Limits = Limits {
     idle_timeout: Duration::from_millis(300),
     max_lifetime: None,
     park_after: Some(waypoint::dataplane::DEFAULT_PARK_AFTER),
+    stall_after: Some(waypoint::dataplane::DEFAULT_STALL_AFTER),
 };
 
 /// (g) A connection that goes silent is closed by the proxy: both ends see EOF.

@@ -30,7 +30,9 @@ use tracing::debug;
 use super::{
     abort_on_close, classify_read_error, classify_write_error, forced_end,
     park::{Parked, Parker},
-    shutdown_write, DirEnd, End, Limits, Outcome,
+    shutdown_write,
+    stall::Watchdog,
+    DirEnd, End, Kind, Limits, Outcome,
 };
 
 /// Size of a direction's heap buffer, once it has one.
@@ -55,21 +57,33 @@ impl Copy {
         initial: Vec<u8>,
         limits: Limits,
     ) -> impl Future<Output = io::Result<Outcome>> + Send + 'static {
-        // A combinator, not an `async` block, which would keep the arguments it moved into
-        // the copy for the connection's whole life.
-        copy(downstream, upstream, initial, limits, NEVER).map(|(copied, (d2u, u2d))| {
-            let end = match copied {
-                Copied::Ended(end) => end,
-                // Cannot happen: no connection carries `NEVER` bytes.
-                Copied::Move(..) => End::Error(io::ErrorKind::Unsupported),
-            };
-            Ok(Outcome {
-                downstream_to_upstream: d2u,
-                upstream_to_downstream: u2d,
-                end,
-            })
-        })
+        to_end(downstream, upstream, initial, limits, Kind::Copy).map(Ok)
     }
+}
+
+/// Copies a connection to its end; a stall is counted as `dataplane`'s (the eBPF
+/// dataplane's userspace fallback runs here too).
+pub(crate) fn to_end(
+    downstream: TcpStream,
+    upstream: TcpStream,
+    initial: Vec<u8>,
+    limits: Limits,
+    dataplane: Kind,
+) -> impl Future<Output = Outcome> + Send + 'static {
+    // A combinator, not an `async` block, which would keep the arguments it moved into
+    // the copy for the connection's whole life.
+    copy(downstream, upstream, initial, limits, NEVER, dataplane).map(|(copied, (d2u, u2d))| {
+        let end = match copied {
+            Copied::Ended(end) => end,
+            // Cannot happen: no connection carries `NEVER` bytes.
+            Copied::Move { .. } => End::Error(io::ErrorKind::Unsupported),
+        };
+        Outcome {
+            downstream_to_upstream: d2u,
+            upstream_to_downstream: u2d,
+            end,
+        }
+    })
 }
 
 /// A `move_after` that is never reached.
@@ -80,8 +94,13 @@ pub(crate) enum Copied {
     /// The connection ended; the sockets are closed the right way (FIN or RST).
     Ended(End),
     /// The connection carried `move_after` bytes and neither direction holds any: the
-    /// sockets (downstream, upstream), with what is queued in them unread.
-    Move(TcpStream, TcpStream),
+    /// sockets, with what is queued in them unread.
+    Move {
+        down: TcpStream,
+        up: TcpStream,
+        /// The stall watchdog counted the connection already: it is counted once.
+        stalled: bool,
+    },
 }
 
 /// Copies both directions with a [`Copier`] until the connection ends or is to move, and
@@ -112,15 +131,16 @@ enum Phase {
     Done,
 }
 
-/// See [`CopyPhase`].
+/// See [`CopyPhase`]. A stall is counted as `dataplane`'s.
 pub(crate) fn copy(
     down: TcpStream,
     up: TcpStream,
     initial: Vec<u8>,
     limits: Limits,
     move_after: u64,
+    dataplane: Kind,
 ) -> CopyPhase {
-    let progress = Progress::start(limits);
+    let progress = Progress::start(limits, dataplane);
     CopyPhase {
         phase: Phase::Copying {
             down,
@@ -150,7 +170,10 @@ impl Future for CopyPhase {
                     };
                     match stop {
                         Stop::Ended(end) => return Poll::Ready((Copied::Ended(end), moved)),
-                        Stop::Move => return Poll::Ready((Copied::Move(down, up), moved)),
+                        Stop::Move => {
+                            let stalled = progress.stalled;
+                            return Poll::Ready((Copied::Move { down, up, stalled }, moved));
+                        }
                         Stop::Park => {}
                     }
                     match park(down, up, progress.deadline(this.limits)) {
@@ -292,17 +315,23 @@ pub(crate) struct Progress {
     lifetime_end: Option<Instant>,
     /// Handed on from a parked connection.
     resumed: bool,
+    /// Which dataplane's counter a stall goes to.
+    dataplane: Kind,
+    /// The stall watchdog counted the connection already: it is counted once.
+    stalled: bool,
 }
 
 impl Progress {
     /// A connection starting now.
-    pub(crate) fn start(limits: Limits) -> Progress {
+    pub(crate) fn start(limits: Limits, dataplane: Kind) -> Progress {
         let now = Instant::now();
         Progress {
             moved: [0; 2],
             last_change: now,
             lifetime_end: limits.max_lifetime.map(|l| now + l),
             resumed: false,
+            dataplane,
+            stalled: false,
         }
     }
 
@@ -456,6 +485,7 @@ pin_project_lite::pin_project! {
         lifetime_end: Option<Instant>,
         last_progress: u64,
         last_change: Instant,
+        watchdog: Watchdog,
         #[pin]
         timer: Sleep,
     }
@@ -465,7 +495,12 @@ impl Copier {
     /// `initial` is written to upstream before anything read from downstream.
     #[cfg(test)]
     pub(crate) fn new(initial: Vec<u8>, limits: Limits, move_after: u64) -> Copier {
-        Copier::resume(initial, limits, move_after, Progress::start(limits))
+        Copier::resume(
+            initial,
+            limits,
+            move_after,
+            Progress::start(limits, Kind::Copy),
+        )
     }
 
     /// Goes on from `progress`: a new connection's (with its `initial` bytes) or a
@@ -478,7 +513,7 @@ impl Copier {
         progress: Progress,
     ) -> Copier {
         let now = Instant::now();
-        let tick = idle_tick(limits.idle_timeout);
+        let tick = limits.check_every();
         let tick = limits
             .park_after
             .map_or(tick, |p| tick.min(p.max(MIN_PARK_AFTER)));
@@ -504,6 +539,7 @@ impl Copier {
             lifetime_end: progress.lifetime_end,
             last_progress: progress.moved[0] + progress.moved[1],
             last_change: progress.last_change,
+            watchdog: Watchdog::resume(progress.dataplane, limits.stall_after, progress.stalled),
             timer: tokio::time::sleep_until(first_fire),
         }
     }
@@ -522,6 +558,8 @@ impl Copier {
             last_change: self.last_change,
             lifetime_end: self.lifetime_end,
             resumed: true,
+            dataplane: self.watchdog.dataplane(),
+            stalled: self.watchdog.fired(),
         }
     }
 }
@@ -529,12 +567,6 @@ impl Copier {
 /// The shortest `park_after` honoured: a shorter one would run the timer more often than
 /// a connection's bytes are worth.
 const MIN_PARK_AFTER: Duration = Duration::from_millis(10);
-
-/// The idle check's cadence: a quarter of the idle timeout, but at least every 5 s and at
-/// most every 10 ms, so the timeout fires within 25 % of its setting.
-pub(crate) fn idle_tick(idle_timeout: Duration) -> Duration {
-    (idle_timeout / 4).clamp(Duration::from_millis(10), Duration::from_secs(5))
-}
 
 impl Copier {
     /// Copies between `down` and `up` (the same sockets at every call) until neither
@@ -587,7 +619,8 @@ impl Copier {
                 return Poll::Ready(Stop::Ended(forced_end(End::LifetimeExceeded, down, up)));
             }
             let progress = this.dirs[0].moved + this.dirs[1].moved;
-            if progress != *this.last_progress {
+            let moved = progress != *this.last_progress;
+            if moved {
                 *this.last_progress = progress;
                 *this.last_change = now;
             } else {
@@ -604,6 +637,7 @@ impl Copier {
                     return Poll::Ready(Stop::Park);
                 }
             }
+            this.watchdog.check(now.into_std(), moved, down, up, None);
             let next = now + *this.tick;
             let next = this.lifetime_end.map_or(next, |end| end.min(next));
             this.timer.as_mut().reset(next);

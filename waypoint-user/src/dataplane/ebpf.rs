@@ -62,9 +62,10 @@ use super::watch::Watch;
 use super::TCP_ESTABLISHED;
 use super::{
     abort_on_close, btf, classify_read_error, classify_write_error,
-    copy::{copy, write_all, Copied},
-    drive, fin_sent, read_now, resets_on_close, shutdown_write, tcp_info, unsent_or_unacked,
-    DirEnd, End, Limits, Outcome, Socket, TCP_CLOSE,
+    copy::{self, copy, write_all, Copied},
+    drive, fin_sent, queued, read_now, resets_on_close, shutdown_write,
+    stall::Watchdog,
+    tcp_info, unsent_or_unacked, DirEnd, End, Kind, Limits, Outcome, Socket, TCP_CLOSE,
 };
 
 /// The eBPF object built by waypoint-user's build script from waypoint-ebpf.
@@ -703,9 +704,15 @@ impl Ebpf {
             initial,
             limits,
             self.config.splice_after,
+            Kind::Ebpf,
         );
         Either::Right(copy.then(move |(copied, (d2u, u2d))| match copied {
-            Copied::Move(down, up) => Either::Left(Box::pin(async move {
+            Copied::Move { down, up, stalled } => Either::Left(Box::pin(async move {
+                // A connection is counted as stalled once, whichever phase saw it.
+                let limits = Limits {
+                    stall_after: limits.stall_after.filter(|_| !stalled),
+                    ..limits
+                };
                 dp.after_move(down, up, (d2u, u2d), limits, start).await
             })),
             Copied::Ended(end) => Either::Right(std::future::ready(Ok(Outcome {
@@ -927,12 +934,24 @@ impl Ebpf {
         let redirected = |f: &FlowCell| f.counters().redirected;
         let d2u_run = pin!(d2u.run(down_initial));
         let u2d_run = pin!(u2d.run(up_initial));
-        let end = drive(&downstream, &upstream, limits, d2u_run, u2d_run, || {
-            redirected(down_flow)
-                + redirected(up_flow)
-                + d2u_user.load(Relaxed)
-                + u2d_user.load(Relaxed)
-        })
+        let mut watchdog = Watchdog::new(Kind::Ebpf, limits.stall_after);
+        let end = drive(
+            &downstream,
+            &upstream,
+            limits,
+            d2u_run,
+            u2d_run,
+            || {
+                redirected(down_flow)
+                    + redirected(up_flow)
+                    + d2u_user.load(Relaxed)
+                    + u2d_user.load(Relaxed)
+            },
+            |now, moved| {
+                let flows = Some([down_flow, up_flow]);
+                watchdog.check(now, moved, &downstream, &upstream, flows);
+            },
+        )
         .await;
         // Stop the verdict first so the counters are final when read.
         reg.detach();
@@ -985,9 +1004,8 @@ impl Ebpf {
     ) -> Result<Outcome, Error> {
         // Bytes the pod sent before the switch go first, as they would have.
         write_all(&downstream, up_initial).await?;
-        let mut outcome = super::copy::Copy
-            .forward(downstream, upstream, down_initial, limits)
-            .await?;
+        let mut outcome =
+            copy::to_end(downstream, upstream, down_initial, limits, Kind::Ebpf).await;
         outcome.upstream_to_downstream += up_initial.len() as u64;
         Ok(outcome)
     }
@@ -1641,18 +1659,6 @@ fn write_now(sock: &TcpStream, buf: &[u8]) -> usize {
         }
     }
     n
-}
-
-/// Bytes queued on `sock` for reading (FIONREAD).
-fn queued(sock: &impl AsFd) -> io::Result<usize> {
-    let mut n: libc::c_int = 0;
-    // SAFETY: FIONREAD writes one int through the pointer; the fd is open.
-    let rc = unsafe { libc::ioctl(sock.as_fd().as_raw_fd(), libc::FIONREAD, &mut n) };
-    if rc == 0 {
-        Ok(usize::try_from(n).unwrap_or(0))
-    } else {
-        Err(io::Error::last_os_error())
-    }
 }
 
 /// Sets SO_RCVLOWAT to 1 (its default). The kernel then checks at once whether the socket

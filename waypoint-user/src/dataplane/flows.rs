@@ -95,6 +95,30 @@ pub(super) struct Counters {
     pub passed: u64,
 }
 
+/// A record's counters and budget, as read at one moment (for logs).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct FlowState {
+    redirected: u64,
+    passed: u64,
+    consumed: u64,
+    credit: u64,
+}
+
+impl std::fmt::Display for FlowState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let FlowState {
+            redirected,
+            passed,
+            consumed,
+            credit,
+        } = self;
+        write!(
+            f,
+            "redirected={redirected} passed={passed} consumed={consumed} credit={credit}"
+        )
+    }
+}
+
 impl FlowCell {
     /// Publishes a budget. The verdict may see the two fields change in either order;
     /// both only grow, so either mix is a safe (stricter) budget.
@@ -126,6 +150,17 @@ impl FlowCell {
         Counters {
             redirected: self.redirected.load(Ordering::Acquire),
             passed: self.passed.load(Ordering::Acquire),
+        }
+    }
+
+    /// The counters and the budget (four plain loads: no system call).
+    pub fn state(&self) -> FlowState {
+        let Counters { redirected, passed } = self.counters();
+        FlowState {
+            redirected,
+            passed,
+            consumed: self.consumed.load(Ordering::Acquire),
+            credit: self.credit.load(Ordering::Acquire),
         }
     }
 }

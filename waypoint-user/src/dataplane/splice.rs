@@ -13,8 +13,8 @@ use nix::fcntl::{FcntlArg, OFlag, SpliceFFlags};
 use tokio::{io::Interest, net::TcpStream};
 
 use super::{
-    classify_read_error, classify_write_error, copy::write_all, drive, shutdown_write, DirEnd,
-    Limits, Outcome,
+    classify_read_error, classify_write_error, copy::write_all, drive, shutdown_write,
+    stall::Watchdog, DirEnd, Kind, Limits, Outcome,
 };
 
 /// Default pipe capacity per direction. The kernel default (64 KiB) caps each splice
@@ -62,6 +62,7 @@ impl Splice {
             pump(&downstream, &upstream, &d2u_pipe, &d2u).await
         });
         let up_to_down = pin!(pump(&upstream, &downstream, &u2d_pipe, &u2d));
+        let mut watchdog = Watchdog::new(Kind::Splice, limits.stall_after);
         let end = drive(
             &downstream,
             &upstream,
@@ -69,6 +70,9 @@ impl Splice {
             down_to_up,
             up_to_down,
             || d2u.load(Relaxed) + u2d.load(Relaxed),
+            |now, moved| {
+                watchdog.check(now, moved, &downstream, &upstream, None);
+            },
         )
         .await;
         Ok(Outcome {
