@@ -171,6 +171,13 @@ async fn routes_through(dataplane: &str, pod_ip: &str, port: u16) {
         )),
         "{m}"
     );
+    // The stall watchdog's counter is there from the start, at zero: nothing stalled.
+    assert!(
+        m.contains(&format!(
+            "waypoint_dataplane_stalls_total{{dataplane=\"{dataplane}\"}} 0"
+        )),
+        "{m}"
+    );
     if dataplane == "ebpf" {
         // Whether the 4 MiB echo finds a moment to move, or moves only once its client's
         // FIN is in flight (and then falls back to the copy), depends on timing. A
