@@ -144,6 +144,11 @@ pub struct Config {
     /// queues and inserting them, so that a test can land bytes in between.
     #[doc(hidden)]
     pub sockhash_entry_pause: Option<Duration>,
+    /// Tests only: the SockHash entry leaves out the kick after the insertion, so that
+    /// bytes landing between the drain and the insertion (see `sockhash_entry_pause`)
+    /// stay stranded: a real stall, for the stall watchdog's test.
+    #[doc(hidden)]
+    pub sockhash_entry_no_kick: bool,
 }
 
 impl Default for Config {
@@ -159,6 +164,7 @@ impl Default for Config {
             pod_port: None,
             rewrite_handover_pause: None,
             sockhash_entry_pause: None,
+            sockhash_entry_no_kick: false,
         }
     }
 }
@@ -849,7 +855,7 @@ impl Ebpf {
             } else {
                 None
             };
-        if attached.is_some() {
+        if attached.is_some() && !self.config.sockhash_entry_no_kick {
             // The insertion alone does not run the verdict over what is queued: with
             // `Kick`, the second socket's queue; with either, whatever arrived after its
             // drain. Left queued, those bytes wait for the next segment to arrive, and a
