@@ -2261,4 +2261,107 @@ mod tests {
         );
         assert_eq!(stat(dp, Stat::TrimFailed), 0);
     }
+
+    /// The kernel's side of the trap the copy avoids (see `Dir::full` in copy.rs): after a
+    /// long repeat went to userspace at the move, TCP counts the repeat twice in the
+    /// socket's `copied_seq`, and reports nothing to read until as many new bytes
+    /// arrived. A client that then sends a little and waits for its answer is stuck.
+    /// Kept as a test of the kernel: if it ever fails, the kernel has changed, and the
+    /// copy's restriction can be revisited.
+    #[tokio::test]
+    async fn a_long_repeat_at_the_move_strands_the_bytes_behind_it() {
+        const SENT: usize = 2 << 20;
+        const READ: usize = 400_000;
+        const MORE: usize = 1000;
+        let dp = kernel_from_the_first_byte();
+        let (mut client, down) = pair().await;
+        let (up, mut server) = pair().await;
+        socket2::SockRef::from(&down)
+            .set_recv_buffer_size(8 << 20)
+            .unwrap();
+        let sent: Vec<u8> = (0..SENT as u32).map(|i| (i % 251) as u8).collect();
+        client.write_all(&sent).await.unwrap();
+        queued_at_least(&down, SENT).await;
+        let mut read = vec![0u8; READ];
+        let mut n = 0;
+        while n < READ {
+            n += down.try_read(&mut read[n..]).unwrap();
+        }
+        let dp = &dp;
+        let limits = Limits {
+            idle_timeout: Duration::from_secs(3),
+            ..Limits::default()
+        };
+        let spliced = async move {
+            dp.splice(down, up, Vec::new(), Vec::new(), limits, Entry::Kick)
+                .await
+                .unwrap()
+        };
+        let check = async {
+            let mut got = vec![0u8; SENT - READ];
+            server.read_exact(&mut got).await.unwrap();
+            client.write_all(&[7u8; MORE]).await.unwrap();
+            let mut more = vec![0u8; MORE];
+            let late =
+                tokio::time::timeout(Duration::from_secs(1), server.read_exact(&mut more)).await;
+            assert!(
+                late.is_err(),
+                "the bytes behind a long repeat were not stranded"
+            );
+        };
+        let (outcome, ()) = tokio::join!(spliced, check);
+        assert_eq!(stat(dp, Stat::PassedRepeat), 1);
+        // The idle timeout ends it, with a reset: bytes are held.
+        assert_eq!(outcome.end, End::IdleTimeout);
+    }
+
+    /// A queue that TCP coalesced into long segments, partly read when the copy reaches
+    /// its threshold: the copy reads on until a read leaves the queue empty, so that no
+    /// segment is partly read at the move, no repeat reaches the verdict, and a client
+    /// that sends a little more after the move and waits for its answer gets it through
+    /// (it was stuck behind the repeat: `a_long_repeat_at_the_move_strands_the_bytes_behind_it`).
+    #[tokio::test]
+    async fn the_move_leaves_no_partly_read_segment_behind() {
+        const SENT: usize = 2 << 20;
+        const MORE: usize = 1000;
+        let dp = Arc::new(
+            Ebpf::load(Config {
+                splice_after: 400_000,
+                ..Config::default()
+            })
+            .unwrap(),
+        );
+        let (mut client, down) = pair().await;
+        let (up, mut server) = pair().await;
+        socket2::SockRef::from(&down)
+            .set_recv_buffer_size(8 << 20)
+            .unwrap();
+        let sent: Vec<u8> = (0..SENT as u32).map(|i| (i % 251) as u8).collect();
+        client.write_all(&sent).await.unwrap();
+        queued_at_least(&down, SENT).await;
+        let forwarded = dp.forward_sockmap(down, up, Vec::new(), Limits::default());
+        let check = async {
+            let mut got = vec![0u8; SENT];
+            server.read_exact(&mut got).await.unwrap();
+            assert!(got == sent, "bytes repeated or lost at the move");
+            client.write_all(&[7u8; MORE]).await.unwrap();
+            let mut more = vec![0u8; MORE];
+            tokio::time::timeout(Duration::from_secs(5), server.read_exact(&mut more))
+                .await
+                .expect("the bytes sent after the move reached the server")
+                .unwrap();
+            assert_eq!(more, vec![7u8; MORE]);
+            client.shutdown().await.unwrap();
+            let mut rest = Vec::new();
+            server.read_to_end(&mut rest).await.unwrap();
+            assert!(rest.is_empty(), "{} bytes more than sent", rest.len());
+            server.shutdown().await.unwrap();
+        };
+        let (outcome, ()) = tokio::join!(forwarded, check);
+        let outcome = outcome.unwrap();
+        assert_eq!(outcome.end, End::Closed);
+        assert_eq!(outcome.downstream_to_upstream, (SENT + MORE) as u64);
+        assert_eq!(dp.handovers(), 1, "the connection moved into the kernel");
+        assert_eq!(stat(&dp, Stat::PassedRepeat), 0);
+    }
 }
