@@ -250,19 +250,26 @@ fn scale_check(s: Scale) -> anyhow::Result<bool> {
 
 fn soak_run(s: Soak) -> anyhow::Result<bool> {
     check_waypoint(&s.common.waypoint)?;
+    let modes = parse_modes(&s.modes, "--modes")?;
     let kinds = s
         .dataplanes
         .iter()
         .map(|d| {
-            Kind::parse(d).filter(|k| k.is_waypoint()).with_context(|| {
-                format!("--dataplanes {d:?}: use ebpf, ebpf-rewrite, splice or copy")
-            })
+            // `name` or `name:mode+mode`: a dataplane's own modes.
+            let (name, own) = d.split_once(':').unwrap_or((d, ""));
+            let kind = Kind::parse(name)
+                .filter(|k| k.is_waypoint())
+                .with_context(|| {
+                    format!("--dataplanes {d:?}: use ebpf, ebpf-rewrite, splice or copy")
+                })?;
+            let modes = if own.is_empty() {
+                modes.clone()
+            } else {
+                let own: Vec<String> = own.split('+').map(str::to_owned).collect();
+                parse_modes(&own, &format!("--dataplanes {d:?}"))?
+            };
+            Ok((kind, modes))
         })
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let modes = s
-        .modes
-        .iter()
-        .map(|m| soak::Mode::parse(m).with_context(|| format!("--modes {m:?}: use tls or raw")))
         .collect::<anyhow::Result<Vec<_>>>()?;
     if s.parallel == 0 || s.seconds.is_nan() || s.seconds <= 0.0 {
         bail!("--parallel and --seconds must be above 0");
@@ -275,7 +282,6 @@ fn soak_run(s: Soak) -> anyhow::Result<bool> {
     });
     soak::run(&soak::Settings {
         kinds,
-        modes,
         duration: Duration::from_secs_f64(s.seconds),
         parallel: s.parallel,
         busy: s.busy,
@@ -285,4 +291,17 @@ fn soak_run(s: Soak) -> anyhow::Result<bool> {
         waypoint_bin: s.common.waypoint.clone(),
         work: work.0.clone(),
     })
+}
+
+fn parse_modes(names: &[String], what: &str) -> anyhow::Result<Vec<soak::Mode>> {
+    let modes = names
+        .iter()
+        .map(|m| {
+            soak::Mode::parse(m).with_context(|| format!("{what}: mode {m:?}: use tls or raw"))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    if modes.is_empty() {
+        bail!("{what}: no mode");
+    }
+    Ok(modes)
 }

@@ -70,7 +70,8 @@ pub struct Soak {
     #[command(flatten)]
     pub common: Common,
     /// Dataplanes, comma-separated: ebpf, ebpf-rewrite (ebpf with --rewrite-splice),
-    /// splice, copy.
+    /// splice, copy. `name:mode+mode` gives a dataplane modes of its own (e.g.
+    /// `ebpf-rewrite:tls`).
     #[arg(
         long,
         value_delimiter = ',',

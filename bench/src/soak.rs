@@ -52,8 +52,8 @@ const POD_IP: [u8; 4] = [127, 0, 5, 1];
 
 /// What a soak run does.
 pub struct Settings {
-    pub kinds: Vec<Kind>,
-    pub modes: Vec<Mode>,
+    /// Each dataplane with the modes its connections mix.
+    pub kinds: Vec<(Kind, Vec<Mode>)>,
     /// How long new connections are started, per dataplane.
     pub duration: Duration,
     /// Connections open at once.
@@ -169,7 +169,8 @@ pub fn run(s: &Settings) -> anyhow::Result<bool> {
         s.replay.map(|r| format!(", every connection replays seed {r}")).unwrap_or_default()
     );
     let mut outcomes = Vec::new();
-    for &kind in &s.kinds {
+    for (kind, modes) in &s.kinds {
+        let kind = *kind;
         let mut router = Router::start(kind, &setup)
             .with_context(|| format!("starting the waypoint ({})", kind.name()))?;
         let client = Client {
@@ -180,7 +181,7 @@ pub fn run(s: &Settings) -> anyhow::Result<bool> {
                 .context("the soak's SNI is no DNS name")?,
             deadline: s.deadline,
         };
-        let outcome = rt.block_on(soak_one(s, kind, &client, &pod, router.admin));
+        let outcome = rt.block_on(soak_one(s, kind, modes, &client, &pod, router.admin));
         let mut outcome = outcome;
         outcome.router_died = !router.alive();
         router.stop();
@@ -199,6 +200,7 @@ pub fn run(s: &Settings) -> anyhow::Result<bool> {
 async fn soak_one(
     s: &Settings,
     kind: Kind,
+    modes: &[Mode],
     client: &Client,
     pod: &server::Server,
     admin: Option<SocketAddr>,
@@ -230,7 +232,7 @@ async fn soak_one(
             next: next.clone(),
             tallies: tallies.clone(),
             failures: failures.clone(),
-            modes: s.modes.clone(),
+            modes: modes.to_vec(),
             seed: s.seed,
             replay: s.replay,
             until: started + s.duration,
