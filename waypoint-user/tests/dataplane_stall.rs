@@ -265,6 +265,10 @@ async fn backpressure(dp: Arc<Dataplane>) {
     let mut client = TcpStream::connect(proxy.addr).await.unwrap();
     client.write_all(&[7u8; HELLO]).await.unwrap();
     let (mut pod, _) = server.accept().await.unwrap();
+    // The hello through first: the connection is in place (on eBPF, in the SockHash with
+    // its credit published) before the stream starts, so the budget is what stops it.
+    let mut hello = [0u8; HELLO];
+    pod.read_exact(&mut hello).await.unwrap();
     let (mut client_r, mut client_w) = client.into_split();
     let writer = tokio::spawn(async move {
         let mut buf = vec![0u8; 256 * 1024];
@@ -277,8 +281,6 @@ async fn backpressure(dp: Arc<Dataplane>) {
         }
         client_w.shutdown().await.unwrap();
     });
-    let mut hello = [0u8; HELLO];
-    pod.read_exact(&mut hello).await.unwrap();
     let mut got = vec![0u8; READ_FIRST];
     pod.read_exact(&mut got).await.unwrap();
     // The reader stops; everything between it and the client fills up and goes still.
