@@ -2200,6 +2200,30 @@ mod tests {
         assert_eq!(skipped(100, 50, 150..200), 50..50);
     }
 
+    /// A client that sent `sent` bytes, all queued in the waypoint's socket (which TCP
+    /// coalesces into segments of hundreds of KB, nobody reading), of which the copy read
+    /// the first `read`; the socket to the pod, and the pod. Returns (client, down, up,
+    /// server, what was sent).
+    async fn queued_and_partly_read(
+        sent: usize,
+        read: usize,
+    ) -> (TcpStream, TcpStream, TcpStream, TcpStream, Vec<u8>) {
+        let (mut client, down) = pair().await;
+        let (up, server) = pair().await;
+        socket2::SockRef::from(&down)
+            .set_recv_buffer_size(8 << 20)
+            .unwrap();
+        let bytes: Vec<u8> = (0..sent as u32).map(|i| (i % 251) as u8).collect();
+        client.write_all(&bytes).await.unwrap();
+        queued_at_least(&down, sent).await;
+        let mut buf = vec![0u8; read];
+        let mut n = 0;
+        while n < read {
+            n += down.try_read(&mut buf[n..]).unwrap();
+        }
+        (client, down, up, server, bytes)
+    }
+
     /// A copy that read far into a long queued segment leaves a repeat longer than the
     /// verdict cuts: TCP coalesces a queue that nobody reads into segments of hundreds of
     /// KB. That segment goes to userspace, which drops the repeat: the server gets exactly
@@ -2210,20 +2234,8 @@ mod tests {
         const SENT: usize = 2 << 20;
         const READ: usize = 400_000;
         let dp = kernel_from_the_first_byte();
-        let (mut client, down) = pair().await;
-        let (up, mut server) = pair().await;
-        socket2::SockRef::from(&down)
-            .set_recv_buffer_size(8 << 20)
-            .unwrap();
-        let sent: Vec<u8> = (0..SENT as u32).map(|i| (i % 251) as u8).collect();
-        client.write_all(&sent).await.unwrap();
-        queued_at_least(&down, SENT).await;
         // What the copy read before the move.
-        let mut read = vec![0u8; READ];
-        let mut n = 0;
-        while n < READ {
-            n += down.try_read(&mut read[n..]).unwrap();
-        }
+        let (mut client, down, up, mut server, sent) = queued_and_partly_read(SENT, READ).await;
         let dp = &dp;
         let spliced = async move {
             dp.splice(
@@ -2274,19 +2286,7 @@ mod tests {
         const READ: usize = 400_000;
         const MORE: usize = 1000;
         let dp = kernel_from_the_first_byte();
-        let (mut client, down) = pair().await;
-        let (up, mut server) = pair().await;
-        socket2::SockRef::from(&down)
-            .set_recv_buffer_size(8 << 20)
-            .unwrap();
-        let sent: Vec<u8> = (0..SENT as u32).map(|i| (i % 251) as u8).collect();
-        client.write_all(&sent).await.unwrap();
-        queued_at_least(&down, SENT).await;
-        let mut read = vec![0u8; READ];
-        let mut n = 0;
-        while n < READ {
-            n += down.try_read(&mut read[n..]).unwrap();
-        }
+        let (mut client, down, up, mut server, _) = queued_and_partly_read(SENT, READ).await;
         let dp = &dp;
         let limits = Limits {
             idle_timeout: Duration::from_secs(3),
@@ -2331,14 +2331,7 @@ mod tests {
             })
             .unwrap(),
         );
-        let (mut client, down) = pair().await;
-        let (up, mut server) = pair().await;
-        socket2::SockRef::from(&down)
-            .set_recv_buffer_size(8 << 20)
-            .unwrap();
-        let sent: Vec<u8> = (0..SENT as u32).map(|i| (i % 251) as u8).collect();
-        client.write_all(&sent).await.unwrap();
-        queued_at_least(&down, SENT).await;
+        let (mut client, down, up, mut server, sent) = queued_and_partly_read(SENT, 0).await;
         let forwarded = dp.forward_sockmap(down, up, Vec::new(), Limits::default());
         let check = async {
             let mut got = vec![0u8; SENT];
