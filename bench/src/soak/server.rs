@@ -28,7 +28,7 @@ use tokio_rustls::TlsAcceptor;
 
 use super::{
     scenario::{Dir, Header, Pattern, Scenario, HEADER_LEN, MAGIC_FIRST},
-    wire::{self, Prefixed, Progress},
+    wire::{self, Progress},
 };
 use crate::servers::ANSWER;
 
@@ -204,7 +204,10 @@ async fn open(
         record_peer(state, &h, peer);
         scenario(&mut tcp, &h, state).await
     } else {
-        let mut tls = acceptor.accept(Prefixed::new(record, tcp)).await?;
+        // rustls reads the record already read first, then the rest.
+        let (rd, wr) = tokio::io::split(tcp);
+        let io = tokio::io::join(std::io::Cursor::new(record).chain(rd), wr);
+        let mut tls = acceptor.accept(io).await?;
         let mut h = [0u8; HEADER_LEN];
         tls.read_exact(&mut h).await?;
         let h = Header::decode(&h).ok_or_else(|| anyhow::anyhow!("a damaged soak header"))?;

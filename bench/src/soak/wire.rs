@@ -1,6 +1,5 @@
-//! Moving and checking pattern bytes over any stream (TLS or raw), and the two stream
-//! adapters the raw mode needs: one that gives back bytes already read (the server's
-//! first record), one that takes the server's answer byte off the front (the client).
+//! Moving and checking pattern bytes over any stream (TLS or raw), and the stream adapter
+//! a raw client needs: one that takes the server's answer byte off the front.
 
 use std::{
     io,
@@ -129,55 +128,6 @@ pub async fn echo<S: AsyncRead + AsyncWrite + Unpin>(
         progress.received.fetch_add(n as u64, Relaxed);
         s.write_all(&buf[..n]).await?;
         progress.sent.fetch_add(n as u64, Relaxed);
-    }
-}
-
-/// A stream that yields `head` before the inner stream's own bytes: the server's first
-/// TLS record, read to tell a raw hello from a real handshake, handed on to rustls.
-pub struct Prefixed<S> {
-    head: Vec<u8>,
-    at: usize,
-    inner: S,
-}
-
-impl<S> Prefixed<S> {
-    pub fn new(head: Vec<u8>, inner: S) -> Prefixed<S> {
-        Prefixed { head, at: 0, inner }
-    }
-}
-
-impl<S: AsyncRead + Unpin> AsyncRead for Prefixed<S> {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        let this = self.get_mut();
-        if this.at < this.head.len() {
-            let n = (this.head.len() - this.at).min(buf.remaining());
-            buf.put_slice(&this.head[this.at..this.at + n]);
-            this.at += n;
-            return Poll::Ready(Ok(()));
-        }
-        Pin::new(&mut this.inner).poll_read(cx, buf)
-    }
-}
-
-impl<S: AsyncWrite + Unpin> AsyncWrite for Prefixed<S> {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
     }
 }
 
