@@ -149,6 +149,8 @@ pub struct Router {
     group: Option<Group>,
     /// The waypoint's admin address.
     pub admin: Option<SocketAddr>,
+    /// Where the router's output goes (none for direct).
+    pub log: Option<PathBuf>,
 }
 
 impl Router {
@@ -180,6 +182,7 @@ impl Router {
                 },
                 group: None,
                 admin: None,
+                log: None,
             });
         }
         let listen = match listen {
@@ -224,6 +227,7 @@ impl Router {
             },
             group: Some(group),
             admin,
+            log: Some(log.clone()),
         };
         r.wait_ready(&log)?;
         Ok(r)

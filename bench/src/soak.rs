@@ -104,6 +104,8 @@ struct Outcome {
     pod_checked: u64,
     router_died: bool,
     counters: String,
+    /// The waypoint's warnings and errors, on a failure.
+    log: String,
     wall: Duration,
 }
 
@@ -185,6 +187,11 @@ pub fn run(s: &Settings) -> anyhow::Result<bool> {
         let mut outcome = outcome;
         outcome.router_died = !router.alive();
         router.stop();
+        if outcome.failed() > 0 {
+            // The daemon's own account: the stall watchdog logs each stalled connection
+            // with its sockets' state and its FLOWS records.
+            outcome.log = router.log.as_deref().map(warnings).unwrap_or_default();
+        }
         eprintln!("{}", describe(&outcome));
         outcomes.push(outcome);
     }
@@ -283,6 +290,7 @@ async fn soak_one(
         pod_checked: pod.state.checked.load(Relaxed) - pod_checked_before,
         router_died: false,
         counters,
+        log: String::new(),
         wall: started.elapsed(),
     }
 }
@@ -418,6 +426,44 @@ fn counters(admin: SocketAddr) -> String {
     out
 }
 
+/// Warnings and errors in the waypoint's log (its last [`LOG_LINES`]), indented, colour
+/// codes taken out.
+fn warnings(log: &std::path::Path) -> String {
+    let Ok(text) = std::fs::read_to_string(log) else {
+        return format!("    (no log at {})\n", log.display());
+    };
+    let plain = |l: &str| {
+        let mut out = String::with_capacity(l.len());
+        let mut chars = l.chars();
+        while let Some(c) = chars.next() {
+            if c == '\u{1b}' {
+                // An ANSI colour sequence: ESC [ ... m.
+                for c in chars.by_ref() {
+                    if c == 'm' {
+                        break;
+                    }
+                }
+            } else {
+                out.push(c);
+            }
+        }
+        out
+    };
+    let lines: Vec<String> = text
+        .lines()
+        .map(plain)
+        .filter(|l| l.contains(" WARN ") || l.contains(" ERROR "))
+        .collect();
+    let mut out = String::new();
+    for l in &lines[lines.len().saturating_sub(LOG_LINES)..] {
+        let _ = writeln!(out, "    {l}");
+    }
+    out
+}
+
+/// Lines of the waypoint's log a failed run shows.
+const LOG_LINES: usize = 20;
+
 /// One dataplane's result, for the log as it goes.
 fn describe(o: &Outcome) -> String {
     let mut out = format!(
@@ -465,6 +511,9 @@ fn describe(o: &Outcome) -> String {
     }
     if o.router_died {
         let _ = write!(out, "\n  FAILED: the waypoint exited during the run");
+    }
+    if !o.log.is_empty() {
+        let _ = write!(out, "\n  the waypoint's warnings:\n{}", o.log.trim_end());
     }
     if !o.counters.is_empty() {
         let _ = write!(out, "\n  counters at the end:\n{}", o.counters.trim_end());
