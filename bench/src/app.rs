@@ -249,7 +249,7 @@ fn scale_check(s: Scale) -> anyhow::Result<bool> {
 }
 
 fn soak_run(s: Soak) -> anyhow::Result<bool> {
-    check_waypoint(&s.common.waypoint)?;
+    check_waypoint(&s.waypoint)?;
     let modes = parse_modes(&s.modes, "--modes")?;
     let kinds = s
         .dataplanes
@@ -288,7 +288,7 @@ fn soak_run(s: Soak) -> anyhow::Result<bool> {
         deadline: Duration::from_secs(s.deadline),
         seed,
         replay: s.replay,
-        waypoint_bin: s.common.waypoint.clone(),
+        waypoint_bin: s.waypoint.clone(),
         work: work.0.clone(),
     })
 }

@@ -67,8 +67,14 @@ pub struct Common {
 
 #[derive(Debug, clap::Args)]
 pub struct Soak {
-    #[command(flatten)]
-    pub common: Common,
+    /// The waypoint daemon binary (build it with
+    /// `cargo build --release -p waypoint-user --bin waypoint`).
+    #[arg(
+        long,
+        env = "WAYPOINT_BENCH_WAYPOINT",
+        default_value = "target/release/waypoint"
+    )]
+    pub waypoint: PathBuf,
     /// Dataplanes, comma-separated: ebpf, ebpf-rewrite (ebpf with --rewrite-splice),
     /// splice, copy. `name:mode+mode` gives a dataplane modes of its own (e.g.
     /// `ebpf-rewrite:tls`).
