@@ -130,7 +130,7 @@ fn compare(c: Compare) -> anyhow::Result<()> {
             .collect::<anyhow::Result<Vec<_>>>()?,
     };
     if kinds.iter().any(|k| k.is_waypoint()) {
-        check_waypoint(&c.common.waypoint)?;
+        check_waypoint(&c.common.daemon.waypoint)?;
     }
     let quick = c.quick;
     let work = Work::new()?;
@@ -159,7 +159,7 @@ fn compare(c: Compare) -> anyhow::Result<()> {
         idle_conns,
         nofile,
         kinds,
-        waypoint_bin: c.common.waypoint.clone(),
+        waypoint_bin: c.common.daemon.waypoint.clone(),
         work: work.0.clone(),
         pin_cpu: c.pin_cpu.unwrap_or(cpus - 1).min(cpus - 1),
         figures: c.figures.clone().unwrap_or_else(|| Figure::ALL.to_vec()),
@@ -216,7 +216,7 @@ fn compare(c: Compare) -> anyhow::Result<()> {
 }
 
 fn scale_check(s: Scale) -> anyhow::Result<bool> {
-    check_waypoint(&s.common.waypoint)?;
+    check_waypoint(&s.common.daemon.waypoint)?;
     let kind = Kind::parse(&s.dataplane)
         .filter(|k| k.is_waypoint())
         .with_context(|| {
@@ -230,7 +230,7 @@ fn scale_check(s: Scale) -> anyhow::Result<bool> {
         connections: s.connections,
         kind,
         deadline: s.deadline(),
-        waypoint_bin: s.common.waypoint.clone(),
+        waypoint_bin: s.common.daemon.waypoint.clone(),
         work: work.0.clone(),
     };
     let (md, doc, ok) = scale::run(&settings)?;
@@ -249,7 +249,7 @@ fn scale_check(s: Scale) -> anyhow::Result<bool> {
 }
 
 fn soak_run(s: Soak) -> anyhow::Result<bool> {
-    check_waypoint(&s.waypoint)?;
+    check_waypoint(&s.daemon.waypoint)?;
     let modes = parse_modes(&s.modes, "--modes")?;
     let kinds = s
         .dataplanes
@@ -288,7 +288,7 @@ fn soak_run(s: Soak) -> anyhow::Result<bool> {
         deadline: Duration::from_secs(s.deadline),
         seed,
         replay: s.replay,
-        waypoint_bin: s.waypoint.clone(),
+        waypoint_bin: s.daemon.waypoint.clone(),
         work: work.0.clone(),
     })
 }

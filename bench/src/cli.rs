@@ -50,8 +50,9 @@ pub enum Task {
     },
 }
 
+/// The daemon under test.
 #[derive(Debug, clap::Args)]
-pub struct Common {
+pub struct Daemon {
     /// The waypoint daemon binary (build it with
     /// `cargo build --release -p waypoint-user --bin waypoint`).
     #[arg(
@@ -60,6 +61,12 @@ pub struct Common {
         default_value = "target/release/waypoint"
     )]
     pub waypoint: PathBuf,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct Common {
+    #[command(flatten)]
+    pub daemon: Daemon,
     /// Where the report, JSON and charts go.
     #[arg(long, env = "WAYPOINT_BENCH_OUT", default_value = "target/bench")]
     pub out: PathBuf,
@@ -67,14 +74,8 @@ pub struct Common {
 
 #[derive(Debug, clap::Args)]
 pub struct Soak {
-    /// The waypoint daemon binary (build it with
-    /// `cargo build --release -p waypoint-user --bin waypoint`).
-    #[arg(
-        long,
-        env = "WAYPOINT_BENCH_WAYPOINT",
-        default_value = "target/release/waypoint"
-    )]
-    pub waypoint: PathBuf,
+    #[command(flatten)]
+    pub daemon: Daemon,
     /// Dataplanes, comma-separated: ebpf, ebpf-rewrite (ebpf with --rewrite-splice),
     /// splice, copy. `name:mode+mode` gives a dataplane modes of its own (e.g.
     /// `ebpf-rewrite:tls`).
