@@ -139,6 +139,8 @@ pub struct Setup<'a> {
     /// The routers' RLIMIT_NOFILE (inherited): nginx and HAProxy refuse configs that
     /// need more.
     pub nofile: u64,
+    /// The waypoint's `RUST_LOG` (`WAYPOINT_BENCH_LOG` overrides it).
+    pub log_filter: &'a str,
 }
 
 /// A running router (or none, for direct).
@@ -385,7 +387,7 @@ fn waypoint(
         })
         .env(
             "RUST_LOG",
-            std::env::var("WAYPOINT_BENCH_LOG").unwrap_or_else(|_| "warn".into()),
+            std::env::var("WAYPOINT_BENCH_LOG").unwrap_or_else(|_| setup.log_filter.into()),
         );
     Ok(cmd)
 }

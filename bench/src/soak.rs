@@ -82,6 +82,10 @@ struct Failure {
     sent: u64,
     received: u64,
     report: Option<String>,
+    /// The client's port: the waypoint's log names the connection by it.
+    client_port: Option<u16>,
+    /// The waypoint's log lines for this connection, read after the run.
+    trail: Option<String>,
 }
 
 /// Counts per (mode, scenario).
@@ -154,6 +158,9 @@ pub fn run(s: &Settings) -> anyhow::Result<bool> {
         waypoint_bin: &s.waypoint_bin,
         max_connections: 4 * s.parallel + 1024,
         nofile,
+        // Each connection's path through the dataplane (copy, move, fallback, kernel, the
+        // byte counts at its end), for the account of a failed one.
+        log_filter: SOAK_LOG,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -190,7 +197,10 @@ pub fn run(s: &Settings) -> anyhow::Result<bool> {
         if outcome.failed() > 0 {
             // The daemon's own account: the stall watchdog logs each stalled connection
             // with its sockets' state and its FLOWS records.
-            outcome.log = router.log.as_deref().map(warnings).unwrap_or_default();
+            if let Some(log) = router.log.as_deref() {
+                outcome.log = warnings(log);
+                trails(log, &mut outcome.failures);
+            }
         }
         eprintln!("{}", describe(&outcome));
         outcomes.push(outcome);
@@ -345,6 +355,10 @@ impl Lane {
             } else {
                 None
             };
+            let client_port = socket
+                .as_ref()
+                .and_then(|s| s.local_addr().ok())
+                .map(|a| a.port());
             drop(socket);
             if let Ok(mut f) = self.failures.lock() {
                 f.push(Failure {
@@ -358,6 +372,8 @@ impl Lane {
                     sent: progress.sent.load(Relaxed),
                     received,
                     report,
+                    client_port,
+                    trail: None,
                 });
             }
         }
@@ -432,23 +448,6 @@ fn warnings(log: &std::path::Path) -> String {
     let Ok(text) = std::fs::read_to_string(log) else {
         return format!("    (no log at {})\n", log.display());
     };
-    let plain = |l: &str| {
-        let mut out = String::with_capacity(l.len());
-        let mut chars = l.chars();
-        while let Some(c) = chars.next() {
-            if c == '\u{1b}' {
-                // An ANSI colour sequence: ESC [ ... m.
-                for c in chars.by_ref() {
-                    if c == 'm' {
-                        break;
-                    }
-                }
-            } else {
-                out.push(c);
-            }
-        }
-        out
-    };
     let lines: Vec<String> = text
         .lines()
         .map(plain)
@@ -461,8 +460,81 @@ fn warnings(log: &std::path::Path) -> String {
     out
 }
 
+/// A log line with its ANSI colour codes taken out.
+fn plain(l: &str) -> String {
+    let mut out = String::with_capacity(l.len());
+    let mut chars = l.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            // An ANSI colour sequence: ESC [ ... m.
+            for c in chars.by_ref() {
+                if c == 'm' {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 /// Lines of the waypoint's log a failed run shows.
 const LOG_LINES: usize = 20;
+
+/// The soak's waypoint logs each connection's path through the dataplane (a few debug
+/// lines per connection).
+const SOAK_LOG: &str = "warn,waypoint::router=debug,waypoint::dataplane=debug";
+
+/// Lines of the waypoint's log about one connection that a failure shows at most.
+const TRAIL_LINES: usize = 40;
+
+/// Connections from a failure's client port that its account shows (a port is reused
+/// over a run; the waypoint numbers its connections, so each shows as its own).
+const TRAIL_CONNECTIONS: usize = 3;
+
+/// Fills in each diagnosed failure's `trail`: the waypoint's log lines in the spans of
+/// the last connections from the failure's client port.
+fn trails(log: &std::path::Path, failures: &mut [Failure]) {
+    let Ok(text) = std::fs::read_to_string(log) else {
+        return;
+    };
+    // The waypoint's connection number, from the span: `conn{id=N peer=...}`.
+    let conn = |l: &str| {
+        l.split("conn{id=")
+            .nth(1)
+            .and_then(|r| r.split(' ').next())
+            .map(str::to_owned)
+    };
+    for f in failures.iter_mut().filter(|f| f.report.is_some()) {
+        let Some(port) = f.client_port else { continue };
+        let key = format!("peer=127.0.0.1:{port}}}");
+        let lines: Vec<String> = text
+            .lines()
+            .map(plain)
+            .filter(|l| l.contains(&key))
+            .collect();
+        let mut ids: Vec<String> = Vec::new();
+        for id in lines.iter().filter_map(|l| conn(l)) {
+            if !ids.contains(&id) {
+                ids.push(id);
+            }
+        }
+        let shown = &ids[ids.len().saturating_sub(TRAIL_CONNECTIONS)..];
+        let picked: Vec<&String> = lines
+            .iter()
+            .filter(|l| conn(l).is_some_and(|id| shown.contains(&id)))
+            .collect();
+        let mut trail = String::new();
+        for l in &picked[picked.len().saturating_sub(TRAIL_LINES)..] {
+            let _ = writeln!(trail, "    {l}");
+        }
+        if trail.is_empty() {
+            trail = format!("    (no line names {key})\n");
+        }
+        f.trail = Some(trail);
+    }
+}
 
 /// One dataplane's result, for the log as it goes.
 fn describe(o: &Outcome) -> String {
@@ -490,6 +562,9 @@ fn describe(o: &Outcome) -> String {
         );
         if let Some(r) = &f.report {
             let _ = write!(out, "\n{}", r.trim_end());
+        }
+        if let Some(t) = &f.trail {
+            let _ = write!(out, "\n  the waypoint's log of it:\n{}", t.trim_end());
         }
     }
     for f in &o.pod_failures {

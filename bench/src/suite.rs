@@ -134,6 +134,7 @@ pub fn run(s: Settings, servers: &Servers) -> anyhow::Result<Run> {
         waypoint_bin: &s.waypoint_bin,
         max_connections: s.idle_conns + 1024,
         nofile: s.nofile,
+        log_filter: "warn",
     };
     // The memory runs start second instances: their configs, pid files and logs go apart.
     let mem_dir = s.work.join("memory");
