@@ -22,13 +22,16 @@ use std::{
 
 use futures::FutureExt as _;
 use tokio::{
+    io::Interest,
     net::TcpStream,
     time::{Instant, Sleep},
 };
 use tracing::debug;
 
 use super::{
-    abort_on_close, classify_read_error, classify_write_error, forced_end,
+    abort_on_close, classify_read_error, classify_write_error,
+    flows::FlowCell,
+    forced_end,
     park::{Parked, Parker},
     shutdown_write,
     stall::Watchdog,
@@ -86,6 +89,65 @@ pub(crate) fn to_end(
     })
 }
 
+/// As [`to_end`], for the eBPF dataplane's fallback: `initial` holds the bytes to write
+/// downstream to upstream and upstream to downstream first, and `gate`, if any, names a
+/// source socket that is in the SockHash while the copy reads it (see [`Gate`]).
+pub(super) fn to_end_gated<'a>(
+    downstream: TcpStream,
+    upstream: TcpStream,
+    initial: [Vec<u8>; 2],
+    limits: Limits,
+    gate: Option<Gate<'a>>,
+) -> impl Future<Output = Outcome> + Send + 'a {
+    let progress = Progress::start(limits, Kind::Ebpf);
+    let phase = CopyPhase {
+        phase: Phase::Copying {
+            down: downstream,
+            up: upstream,
+            copier: Box::pin(Copier::resume(initial, limits, NEVER, progress)),
+        },
+        limits,
+        move_after: NEVER,
+        gate: gate.map(Box::new),
+    };
+    phase.map(|(copied, (d2u, u2d))| Outcome {
+        downstream_to_upstream: d2u,
+        upstream_to_downstream: u2d,
+        end: match copied {
+            Copied::Ended(end) => end,
+            Copied::Move { .. } => End::Error(io::ErrorKind::Unsupported),
+        },
+    })
+}
+
+/// A source socket the copy reads while it is in the eBPF dataplane's SockHash: a
+/// connection whose other socket could not go in (a FIN raced the insertion) is copied in
+/// userspace, and the socket that did get in stays there, at zero credit, until the
+/// copy ends (removing it would discard what the kernel queued for it). Everything that
+/// arrives on it then goes through the verdict, which passes it to the socket's psock,
+/// and the copy reads it from there. TCP reports EOF as soon as it has processed the
+/// FIN, while bytes passed before it can still wait in the psock's backlog, behind a
+/// failed or deferred enqueue: EOF on such a source is final only once the copy has read
+/// every byte the verdict passed.
+pub(super) struct Gate<'a> {
+    /// The direction that reads the socket: 0 downstream to upstream, 1 upstream to
+    /// downstream.
+    pub(super) side: usize,
+    /// The socket's record: `passed` counts what the verdict passed to it.
+    pub(super) flow: &'a FlowCell,
+    /// Bytes the direction writes that were not read from the socket after it went in
+    /// (its initial bytes).
+    pub(super) base: u64,
+}
+
+impl Gate<'_> {
+    /// The verdict passed bytes the direction has not read yet; `moved` is what it
+    /// wrote so far, all it read included.
+    fn behind(&self, moved: u64) -> bool {
+        self.flow.counters().passed > moved.saturating_sub(self.base)
+    }
+}
+
 /// A `move_after` that is never reached.
 pub(crate) const NEVER: u64 = u64::MAX;
 
@@ -112,10 +174,12 @@ pub(crate) enum Copied {
 /// every state, so a parked connection's task would still carry both tokio sockets and
 /// the copy's arguments. This is about 150 B, and the [`Copier`] is boxed so that parking
 /// frees it.
-pub(crate) struct CopyPhase {
+pub(crate) struct CopyPhase<'a> {
     phase: Phase,
     limits: Limits,
     move_after: u64,
+    /// Boxed: only the eBPF dataplane's fallback has one.
+    gate: Option<Box<Gate<'a>>>,
 }
 
 enum Phase {
@@ -139,20 +203,26 @@ pub(crate) fn copy(
     limits: Limits,
     move_after: u64,
     dataplane: Kind,
-) -> CopyPhase {
+) -> CopyPhase<'static> {
     let progress = Progress::start(limits, dataplane);
     CopyPhase {
         phase: Phase::Copying {
             down,
             up,
-            copier: Box::pin(Copier::resume(initial, limits, move_after, progress)),
+            copier: Box::pin(Copier::resume(
+                [initial, Vec::new()],
+                limits,
+                move_after,
+                progress,
+            )),
         },
         limits,
         move_after,
+        gate: None,
     }
 }
 
-impl Future for CopyPhase {
+impl Future for CopyPhase<'_> {
     type Output = (Copied, (u64, u64));
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
@@ -160,7 +230,8 @@ impl Future for CopyPhase {
         loop {
             match &mut this.phase {
                 Phase::Copying { down, up, copier } => {
-                    let stop = ready!(copier.as_mut().poll_copy(cx, down, up));
+                    let gate = this.gate.as_deref();
+                    let stop = ready!(copier.as_mut().poll_copy_gated(cx, down, up, gate));
                     let progress = copier.progress();
                     let moved = (progress.moved[0], progress.moved[1]);
                     let Phase::Copying { down, up, .. } =
@@ -210,9 +281,9 @@ impl Future for CopyPhase {
     }
 }
 
-impl CopyPhase {
+impl CopyPhase<'_> {
     fn resume(&mut self, down: TcpStream, up: TcpStream, progress: Progress) {
-        let copier = Copier::resume(Vec::new(), self.limits, self.move_after, progress);
+        let copier = Copier::resume(Default::default(), self.limits, self.move_after, progress);
         self.phase = Phase::Copying {
             down,
             up,
@@ -395,6 +466,7 @@ impl Dir {
         src: &TcpStream,
         dst: &TcpStream,
         stop_after: u64,
+        gate: Option<&Gate<'_>>,
     ) -> Poll<Result<Step, DirEnd>> {
         let start = self.moved;
         // Each socket operation is tried first, and its readiness polled only when it
@@ -440,12 +512,12 @@ impl Dir {
                     self.buf.reserve_exact(BUF_SIZE);
                 }
                 let room = self.buf.capacity();
-                let read = src.try_read_buf(&mut self.buf);
+                let read = read_buf(src, &mut self.buf, gate, self.moved);
                 self.full = matches!(read, Ok(n) if n == room);
                 read
             } else {
                 let mut small = [0u8; SMALL_READ];
-                match src.try_read(&mut small) {
+                match read(src, &mut small, gate, self.moved) {
                     Ok(n) if n > 0 => {
                         self.big = n == SMALL_READ;
                         self.full = self.big;
@@ -485,6 +557,50 @@ impl Dir {
     }
 }
 
+/// `try_read`, except that a gated source's EOF (see [`Gate`]) only counts once the copy
+/// has read every byte the verdict passed: before that it reads as "would block", and the
+/// direction waits for the socket to turn readable again (the psock's enqueue wakes it).
+/// `moved` is what the direction wrote so far; it holds nothing when it reads.
+fn read(src: &TcpStream, buf: &mut [u8], gate: Option<&Gate<'_>>, moved: u64) -> io::Result<usize> {
+    let Some(gate) = gate else {
+        return src.try_read(buf);
+    };
+    // `try_io` clears tokio's readiness on "would block" only if no event arrived since
+    // it was read, so a wake-up between this read and the clearing is not lost.
+    src.try_io(Interest::READABLE, || {
+        let n = io::Read::read(&mut &*socket2::SockRef::from(src), buf)?;
+        gated(n, gate, moved)
+    })
+}
+
+/// As [`read`], into the spare capacity of `buf` (which must have some).
+fn read_buf(
+    src: &TcpStream,
+    buf: &mut Vec<u8>,
+    gate: Option<&Gate<'_>>,
+    moved: u64,
+) -> io::Result<usize> {
+    let Some(gate) = gate else {
+        return src.try_read_buf(buf);
+    };
+    src.try_io(Interest::READABLE, || {
+        let spare = buf.spare_capacity_mut();
+        let n = socket2::SockRef::from(src).recv(spare)?;
+        // SAFETY: recv initialised the first `n` bytes of the spare capacity.
+        unsafe { buf.set_len(buf.len() + n) };
+        gated(n, gate, moved)
+    })
+}
+
+/// A read of `n` bytes from a gated source: EOF while the verdict has passed bytes the
+/// direction has not read yet is "would block".
+fn gated(n: usize, gate: &Gate<'_>, moved: u64) -> io::Result<usize> {
+    if n == 0 && gate.behind(moved) {
+        return Err(io::ErrorKind::WouldBlock.into());
+    }
+    Ok(n)
+}
+
 pin_project_lite::pin_project! {
     /// Both directions of one connection, copied with the shared connection semantics
     /// (see `drive()` in `dataplane.rs`): a FIN is passed on after every byte before it,
@@ -515,18 +631,19 @@ impl Copier {
     #[cfg(test)]
     pub(crate) fn new(initial: Vec<u8>, limits: Limits, move_after: u64) -> Copier {
         Copier::resume(
-            initial,
+            [initial, Vec::new()],
             limits,
             move_after,
             Progress::start(limits, Kind::Copy),
         )
     }
 
-    /// Goes on from `progress`: a new connection's (with its `initial` bytes) or a
+    /// Goes on from `progress`: a new connection's (with its `initial` bytes, downstream
+    /// to upstream and upstream to downstream, written before anything read) or a
     /// parked one's. A parked connection's first timer fire is at once, so a deadline
     /// that woke it closes it without waiting a tick.
     pub(crate) fn resume(
-        initial: Vec<u8>,
+        initial: [Vec<u8>; 2],
         limits: Limits,
         move_after: u64,
         progress: Progress,
@@ -545,9 +662,10 @@ impl Copier {
             moved,
             ..Dir::default()
         };
+        let [down_initial, up_initial] = initial;
         let mut dirs = [
-            dir(progress.moved[0], initial),
-            dir(progress.moved[1], Vec::new()),
+            dir(progress.moved[0], down_initial),
+            dir(progress.moved[1], up_initial),
         ];
         // The router read the hello from downstream and may have stopped inside a
         // segment: the copy reads downstream at least once before a move. (A parked
@@ -595,11 +713,23 @@ const MIN_PARK_AFTER: Duration = Duration::from_millis(10);
 impl Copier {
     /// Copies between `down` and `up` (the same sockets at every call) until neither
     /// direction can go on now, or the connection stops.
+    #[cfg(test)]
     pub(crate) fn poll_copy(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         down: &TcpStream,
         up: &TcpStream,
+    ) -> Poll<Stop> {
+        self.poll_copy_gated(cx, down, up, None)
+    }
+
+    /// As [`Copier::poll_copy`], with a source that is in the SockHash (see [`Gate`]).
+    pub(super) fn poll_copy_gated(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        down: &TcpStream,
+        up: &TcpStream,
+        gate: Option<&Gate<'_>>,
     ) -> Poll<Stop> {
         let mut this = self.project();
         let sockets = [(down, up), (up, down)];
@@ -618,7 +748,8 @@ impl Copier {
                     u64::MAX
                 };
                 let (src, dst) = sockets[i];
-                match this.dirs[i].poll(cx, src, dst, stop_after) {
+                let gate = gate.filter(|g| g.side == i);
+                match this.dirs[i].poll(cx, src, dst, stop_after, gate) {
                     Poll::Pending => {}
                     Poll::Ready(Ok(Step::Eof)) => this.dirs[i].done = true,
                     Poll::Ready(Ok(Step::Stopped)) => stopped = true,
@@ -628,7 +759,7 @@ impl Copier {
             if this.dirs.iter().all(|d| d.done) {
                 return Poll::Ready(Stop::Ended(End::Closed));
             }
-            if due(this.dirs, *this.move_after) && this.dirs.iter().all(Dir::idle) {
+            if due(this.dirs, *this.move_after) && this.dirs.iter().all(|d| d.idle() && !d.full) {
                 return Poll::Ready(Stop::Move);
             }
             // A direction that stopped registered no waker; the move fell through (the
@@ -696,7 +827,7 @@ fn failed(i: usize, e: DirEnd, down: &TcpStream, up: &TcpStream) -> End {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 
-    use std::{future::poll_fn, pin::pin, time::Duration};
+    use std::{future::poll_fn, os::fd::AsRawFd as _, pin::pin, time::Duration};
 
     use tokio::{
         io::{AsyncReadExt, AsyncWriteExt},
@@ -879,5 +1010,72 @@ mod tests {
         let mut got = Vec::new();
         client.read_to_end(&mut got).await.unwrap();
         assert_eq!(got, b"bye");
+    }
+
+    /// A gated source (a socket in the SockHash, see [`Gate`]) whose FIN TCP processed
+    /// while the verdict's count says bytes are still on their way: the copy holds the
+    /// FIN back, waiting for the socket to turn readable again, and passes it on once it
+    /// has read what the verdict passed. Nothing but the gate holds it: without one the
+    /// same stream ends at once.
+    #[tokio::test]
+    async fn a_gated_eof_waits_for_every_passed_byte() {
+        const SENT: usize = 100_000;
+        let (mut client, down) = pair().await;
+        let (mut pod, up) = pair().await;
+        let up_fd = up.as_raw_fd();
+        let flow: &'static FlowCell = Box::leak(Box::default());
+        // 10 bytes more than the pod sends are "on their way": initial bytes (written
+        // first, not read from the socket) do not count as read.
+        flow.set_passed(SENT as u64 + 10);
+        let gate = Gate {
+            side: 1,
+            flow,
+            base: 3,
+        };
+        let copy = tokio::spawn(to_end_gated(
+            down,
+            up,
+            [Vec::new(), b"hi!".to_vec()],
+            Limits::default(),
+            Some(gate),
+        ));
+        let sent = pattern(SENT);
+        pod.write_all(&sent).await.unwrap();
+        pod.shutdown().await.unwrap();
+        let mut got = vec![0u8; 3 + SENT];
+        client.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got[..3], b"hi!");
+        assert!(got[3..] == sent[..]);
+        let mut more = [0u8; 16];
+        let early = tokio::time::timeout(Duration::from_millis(300), client.read(&mut more)).await;
+        assert!(
+            early.is_err(),
+            "the FIN went through before the passed bytes: {early:?}"
+        );
+
+        // The count catches up (as the psock's enqueue would make the bytes readable) and
+        // the socket turns readable: SO_RCVLOWAT makes TCP report it at once, as the
+        // enqueue's wake-up would.
+        flow.set_passed(SENT as u64);
+        let one: libc::c_int = 1;
+        // SAFETY: an open socket's descriptor (the copy holds it); a c_int option value.
+        let rc = unsafe {
+            libc::setsockopt(
+                up_fd,
+                libc::SOL_SOCKET,
+                libc::SO_RCVLOWAT,
+                std::ptr::addr_of!(one).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        assert_eq!(rc, 0);
+        let eof = tokio::time::timeout(Duration::from_secs(5), client.read(&mut more))
+            .await
+            .expect("the FIN never came");
+        assert_eq!(eof.unwrap(), 0);
+        drop(client);
+        drop(pod);
+        let outcome = copy.await.unwrap();
+        assert_eq!(outcome.upstream_to_downstream, 3 + SENT as u64);
     }
 }

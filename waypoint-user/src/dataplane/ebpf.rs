@@ -62,7 +62,7 @@ use super::watch::Watch;
 use super::TCP_ESTABLISHED;
 use super::{
     abort_on_close, btf, classify_read_error, classify_write_error,
-    copy::{self, copy, write_all, Copied},
+    copy::{self, copy, Copied},
     drive, fin_sent, queued, read_now, resets_on_close, shutdown_write,
     stall::Watchdog,
     tcp_info, unsent_or_unacked, DirEnd, End, Kind, Limits, Outcome, Socket, TCP_CLOSE,
@@ -740,7 +740,7 @@ impl Ebpf {
         start: Instant,
     ) -> Result<Outcome, Error> {
         self.handovers.fetch_add(1, Relaxed);
-        trace!(d2u, u2d, "moving the connection into the kernel");
+        debug!(d2u, u2d, "moving the connection into the kernel");
         // The lifetime counts from the accept, not from the move.
         let limits = Limits {
             max_lifetime: limits
@@ -763,7 +763,15 @@ impl Ebpf {
             outcome.upstream_to_downstream += u2d;
             return Ok(outcome);
         }
-        let settled = settle(&downstream, &upstream)?;
+        let settled = match settle(&downstream, &upstream) {
+            Ok(s) => s,
+            Err(e) => {
+                // What it read and did not write would be lost behind a FIN.
+                abort_on_close(&downstream);
+                abort_on_close(&upstream);
+                return Err(e.into());
+            }
+        };
         debug!(
             d2u = settled.d2u,
             u2d = settled.u2d,
@@ -799,89 +807,52 @@ impl Ebpf {
         limits: Limits,
         entry: Entry,
     ) -> Result<Outcome, Error> {
-        if let Some(size) = self.config.socket_buffer {
-            for s in [&downstream, &upstream] {
-                set_buffers(s, size)?;
+        let entered = self.enter(
+            &downstream,
+            &upstream,
+            &mut down_initial,
+            &mut up_initial,
+            entry,
+        );
+        let Entered {
+            mut reg,
+            down_base,
+            up_base,
+            open,
+            attached,
+        } = match entered {
+            Ok(e) => e,
+            Err(e) => {
+                // Bytes may be held (what the drain read is in the initial buffers): a
+                // FIN would tell both peers their streams were whole.
+                abort_on_close(&downstream);
+                abort_on_close(&upstream);
+                return Err(e.into());
             }
-        }
-        let down = cookie(&downstream)?;
-        let up = cookie(&upstream)?;
-        // Nothing can be redirected before a budget is published: these are the TCP
-        // baselines. They also give the sockets' states: the kernel only accepts
-        // established TCP sockets in a SockHash. A client that sent its FIN right behind
-        // the hello (or a pod that already closed) is served by the userspace copy
-        // instead: same semantics, slower. The same goes when the insertion fails anyway
-        // (a FIN racing this check, full maps, no free flow slot).
-        let down_tcp = handed(&downstream)?;
-        let up_tcp = handed(&upstream)?;
-        let mut reg = Registration::new(self, down, up);
-        // A segment that userspace has partly read (the router stops reading mid-segment
-        // after the ClientHello) would go through the verdict from its start, and its
-        // read part be delivered a second time. Reading everything queued now leaves no
-        // partly-read segment behind; what arrives later is whole. The drain comes last,
-        // right before the insertion, so that little can arrive in between, and a kick
-        // after the insertion sends that little through the verdict. With `Kick`, only
-        // the socket that goes in first is drained (see [`Entry`]).
-        let down_first = match entry {
-            Entry::Drain => true,
-            Entry::Kick => queued(&downstream)? <= queued(&upstream)?,
         };
-        let drained = match (entry, down_first) {
-            (Entry::Drain, _) => {
-                drain_queued(&downstream, &mut down_initial)?
-                    && drain_queued(&upstream, &mut up_initial)?
-            }
-            (Entry::Kick, true) => drain_queued(&downstream, &mut down_initial)?,
-            (Entry::Kick, false) => drain_queued(&upstream, &mut up_initial)?,
-        };
-        if let Some(pause) = self.config.sockhash_entry_pause {
-            // Tests only (a blocking sleep, like the rewrite hand-over's).
-            std::thread::sleep(pause);
-        }
-        // A direction with nothing to write first gets its credit before its socket goes
-        // in, so that what arrives from now on is redirected, in order, instead of being
-        // passed: once passed, a steady sender keeps the direction in userspace until
-        // userspace wins a race with it (docs/PERFORMANCE.md). The pod's direction opens
-        // this way before the hello goes out; it answers within microseconds.
-        let open = [down_initial.is_empty(), up_initial.is_empty()];
-        for (i, open) in open.into_iter().enumerate() {
-            if open {
-                reg.set_credit(i, self.config.max_inflight);
-            }
-        }
-        let attached =
-            if drained && down_tcp.state == TCP_ESTABLISHED && up_tcp.state == TCP_ESTABLISHED {
-                reg.attach((down, &downstream), (up, &upstream), down_first)
-            } else {
-                None
-            };
-        if attached.is_some() && !self.config.sockhash_entry_no_kick {
-            // The insertion alone does not run the verdict over what is queued: with
-            // `Kick`, the second socket's queue; with either, whatever arrived after its
-            // drain. Left queued, those bytes wait for the next segment to arrive, and a
-            // client that waits for an answer, or whose window they filled, sends none
-            // (a connection stalled until its idle timeout). Segments that arrived after
-            // a drain are whole.
-            set_rcvlowat(&downstream)?;
-            set_rcvlowat(&upstream)?;
-        }
         let Some((down_flow, up_flow)) = attached else {
             self.fallbacks.fetch_add(1, Relaxed);
             for i in 0..2 {
                 reg.set_credit(i, 0);
             }
-            debug!("sockets could not enter the SockHash: forwarding in userspace");
             // `reg` stays alive until the copy ends: a socket that did get in keeps zero
             // credit, so everything arriving on it is passed and read by the copy, and
             // removing it earlier would discard what the kernel queued for it.
-            let outcome = self
-                .forward_in_userspace(downstream, upstream, down_initial, &up_initial, limits)
-                .await;
+            let initial = [down_initial, up_initial];
+            let gate = reg.lone_entrant([initial[0].len() as u64, initial[1].len() as u64]);
+            debug!(
+                in_sockhash = gate
+                    .as_ref()
+                    .map_or("neither", |g| ["downstream", "upstream"][g.side]),
+                "sockets could not enter the SockHash: forwarding in userspace"
+            );
+            let outcome = copy::to_end_gated(downstream, upstream, initial, limits, gate).await;
             drop(reg);
-            return outcome;
+            return Ok(outcome);
         };
-        let (down_base, up_base) = (down_tcp.bytes, up_tcp.bytes);
         let Some([down_slot, up_slot]) = reg.slots() else {
+            abort_on_close(&downstream);
+            abort_on_close(&upstream);
             return Err(Error::Io(io::Error::other("flow records vanished")));
         };
         // Out of tokio's reactor, which would wake this thread at every segment (see
@@ -1000,20 +971,88 @@ impl Ebpf {
         Ok(outcome)
     }
 
-    async fn forward_in_userspace(
-        &self,
-        downstream: TcpStream,
-        upstream: TcpStream,
-        down_initial: Vec<u8>,
-        up_initial: &[u8],
-        limits: Limits,
-    ) -> Result<Outcome, Error> {
-        // Bytes the pod sent before the switch go first, as they would have.
-        write_all(&downstream, up_initial).await?;
-        let mut outcome =
-            copy::to_end(downstream, upstream, down_initial, limits, Kind::Ebpf).await;
-        outcome.upstream_to_downstream += up_initial.len() as u64;
-        Ok(outcome)
+    /// The setup of [`Ebpf::splice`], up to the sockets' insertion: baselines, records,
+    /// the drain, credit, insertion and kick. On an error the caller resets both sockets.
+    fn enter<'s>(
+        &'s self,
+        downstream: &TcpStream,
+        upstream: &TcpStream,
+        down_initial: &mut Vec<u8>,
+        up_initial: &mut Vec<u8>,
+        entry: Entry,
+    ) -> io::Result<Entered<'s>> {
+        if let Some(size) = self.config.socket_buffer {
+            for s in [downstream, upstream] {
+                set_buffers(s, size)?;
+            }
+        }
+        let down = cookie(downstream)?;
+        let up = cookie(upstream)?;
+        // Nothing can be redirected before a budget is published: these are the TCP
+        // baselines. They also give the sockets' states: the kernel only accepts
+        // established TCP sockets in a SockHash. A client that sent its FIN right behind
+        // the hello (or a pod that already closed) is served by the userspace copy
+        // instead: same semantics, slower. The same goes when the insertion fails anyway
+        // (a FIN racing this check, full maps, no free flow slot).
+        let down_tcp = handed(downstream)?;
+        let up_tcp = handed(upstream)?;
+        let mut reg = Registration::new(self, down, up);
+        // A segment that userspace has partly read (the router stops reading mid-segment
+        // after the ClientHello) would go through the verdict from its start, and its
+        // read part be delivered a second time. Reading everything queued now leaves no
+        // partly-read segment behind; what arrives later is whole. The drain comes last,
+        // right before the insertion, so that little can arrive in between, and a kick
+        // after the insertion sends that little through the verdict. With `Kick`, only
+        // the socket that goes in first is drained (see [`Entry`]).
+        let down_first = match entry {
+            Entry::Drain => true,
+            Entry::Kick => queued(downstream)? <= queued(upstream)?,
+        };
+        let drained = match (entry, down_first) {
+            (Entry::Drain, _) => {
+                drain_queued(downstream, down_initial)? && drain_queued(upstream, up_initial)?
+            }
+            (Entry::Kick, true) => drain_queued(downstream, down_initial)?,
+            (Entry::Kick, false) => drain_queued(upstream, up_initial)?,
+        };
+        if let Some(pause) = self.config.sockhash_entry_pause {
+            // Tests only (a blocking sleep, like the rewrite hand-over's).
+            std::thread::sleep(pause);
+        }
+        // A direction with nothing to write first gets its credit before its socket goes
+        // in, so that what arrives from now on is redirected, in order, instead of being
+        // passed: once passed, a steady sender keeps the direction in userspace until
+        // userspace wins a race with it (docs/PERFORMANCE.md). The pod's direction opens
+        // this way before the hello goes out; it answers within microseconds.
+        let open = [down_initial.is_empty(), up_initial.is_empty()];
+        for (i, open) in open.into_iter().enumerate() {
+            if open {
+                reg.set_credit(i, self.config.max_inflight);
+            }
+        }
+        let attached =
+            if drained && down_tcp.state == TCP_ESTABLISHED && up_tcp.state == TCP_ESTABLISHED {
+                reg.attach((down, downstream), (up, upstream), down_first)
+            } else {
+                None
+            };
+        if attached.is_some() && !self.config.sockhash_entry_no_kick {
+            // The insertion alone does not run the verdict over what is queued: with
+            // `Kick`, the second socket's queue; with either, whatever arrived after its
+            // drain. Left queued, those bytes wait for the next segment to arrive, and a
+            // client that waits for an answer, or whose window they filled, sends none
+            // (a connection stalled until its idle timeout). Segments that arrived after
+            // a drain are whole.
+            set_rcvlowat(downstream)?;
+            set_rcvlowat(upstream)?;
+        }
+        Ok(Entered {
+            reg,
+            down_base: down_tcp.bytes,
+            up_base: up_tcp.bytes,
+            open,
+            attached,
+        })
     }
 
     /// Stops the signal thread from reading the ring, or lets it go on.
@@ -1054,6 +1093,18 @@ struct Registration<'a> {
     /// Which of the sockets are in the SockHash, under the peer's cookie: removing the
     /// others would only cost a syscall that fails.
     inserted: [bool; 2],
+}
+
+/// What [`Ebpf::enter`] set up.
+struct Entered<'a> {
+    reg: Registration<'a>,
+    /// `handed()` of the downstream and the upstream before anything was sent.
+    down_base: u64,
+    up_base: u64,
+    /// The directions whose credit was published before the insertion.
+    open: [bool; 2],
+    /// The downstream's and the upstream's records, when both sockets went in.
+    attached: Option<(&'a FlowCell, &'a FlowCell)>,
 }
 
 impl<'a> Registration<'a> {
@@ -1116,6 +1167,25 @@ impl<'a> Registration<'a> {
             self.inserted[i] = true;
         }
         Some(cells)
+    }
+
+    /// After a failed [`Registration::attach`]: the socket that did go in, if one did, as
+    /// the copy's [`copy::Gate`]. `initial` is what the copy writes first, downstream to
+    /// upstream and upstream to downstream.
+    fn lone_entrant(&self, initial: [u64; 2]) -> Option<copy::Gate<'a>> {
+        let flows = self.flows.as_ref()?;
+        // `inserted[1]` marks the downstream (stored under the upstream's cookie), read
+        // by direction 0; `inserted[0]` the upstream, read by direction 1.
+        let side = match self.inserted {
+            [false, true] => 0,
+            [true, false] => 1,
+            _ => return None,
+        };
+        Some(copy::Gate {
+            side,
+            flow: flows[side].cell(),
+            base: initial[side],
+        })
     }
 
     /// The flow slots of the downstream and the upstream (None without records).
@@ -2313,6 +2383,81 @@ mod tests {
         assert_eq!(stat(dp, Stat::PassedRepeat), 1);
         // The idle timeout ends it, with a reset: bytes are held.
         assert_eq!(outcome.end, End::IdleTimeout);
+    }
+
+    /// A FIN that races the insertion: the socket with less queued (the pod's) goes in
+    /// first, the client's FIN lands during the pause before the insertion, and the
+    /// client's socket is refused. The connection is copied in userspace while the pod's
+    /// socket stays in the SockHash: its bytes go through the verdict (passed, at zero
+    /// credit) and the copy reads them from the psock, its EOF gated on the verdict's
+    /// count (see `copy::Gate`). Every byte arrives both ways, in order, and both FINs
+    /// are passed on: a wrong base for the count would hold the pod's FIN forever.
+    #[tokio::test]
+    async fn a_fin_racing_the_insertion_leaves_one_socket_in_and_loses_nothing() {
+        const UP: usize = 300_000;
+        let dp = Ebpf::load(Config {
+            splice_after: 0,
+            sockhash_entry_pause: Some(Duration::from_millis(300)),
+            ..Config::default()
+        })
+        .unwrap();
+        let (mut client, down) = pair().await;
+        let (up, mut server) = pair().await;
+        let to_pod: Vec<u8> = (0..64 * 1024).map(|i| (i % 241) as u8).collect();
+        let to_client: Vec<u8> = (0..UP).map(|i| (i % 239) as u8).collect();
+        client.write_all(&to_pod).await.unwrap();
+        server.write_all(&to_client[..100]).await.unwrap();
+        queued_at_least(&down, to_pod.len()).await;
+        queued_at_least(&up, 100).await;
+        // The client half-closes while the dataplane sleeps between its drain and the
+        // insertion (a blocking sleep on this thread, so from another one).
+        let fd = client.as_raw_fd();
+        let fin = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            // SAFETY: the descriptor stays open (the test holds `client`) until joined.
+            unsafe { libc::shutdown(fd, libc::SHUT_WR) };
+        });
+        let dp = &dp;
+        let spliced = async move {
+            dp.splice(
+                down,
+                up,
+                Vec::new(),
+                Vec::new(),
+                Limits::default(),
+                Entry::Kick,
+            )
+            .await
+            .unwrap()
+        };
+        let check = async {
+            let mut got = Vec::new();
+            let pod = async {
+                server.read_to_end(&mut got).await.unwrap();
+                server.write_all(&to_client[100..]).await.unwrap();
+                server.shutdown().await.unwrap();
+            };
+            let mut back = Vec::new();
+            let reader = client.read_to_end(&mut back);
+            let (_, read) = tokio::join!(pod, reader);
+            read.unwrap();
+            assert!(got == to_pod, "the pod's bytes differ");
+            assert!(back == to_client, "the client's bytes differ");
+        };
+        let (outcome, ()) = tokio::time::timeout(Duration::from_secs(20), async {
+            tokio::join!(spliced, check)
+        })
+        .await
+        .expect("the connection never ended");
+        fin.join().unwrap();
+        assert_eq!(dp.fallbacks(), 1);
+        assert!(
+            stat(dp, Stat::PassedBudget) + stat(dp, Stat::PassedOrdering) > 0,
+            "the pod's bytes did not go through the verdict"
+        );
+        assert_eq!(outcome.end, End::Closed);
+        assert_eq!(outcome.downstream_to_upstream, to_pod.len() as u64);
+        assert_eq!(outcome.upstream_to_downstream, UP as u64);
     }
 
     /// A queue that TCP coalesced into long segments, partly read when the copy reaches

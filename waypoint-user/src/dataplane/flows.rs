@@ -49,6 +49,7 @@ pub enum Error {
 /// The userspace view of one [`Flow`]: the same layout, with atomic fields, because the
 /// kernel reads and writes the record concurrently.
 #[repr(C)]
+#[cfg_attr(test, derive(Default))]
 pub(super) struct FlowCell {
     owner: AtomicU64,
     credit: AtomicU64,
@@ -125,6 +126,12 @@ impl FlowCell {
     pub fn publish(&self, b: Budget) {
         self.consumed.store(b.consumed, Ordering::Release);
         self.credit.store(b.credit, Ordering::Release);
+    }
+
+    /// Sets the verdict's count of passed bytes, as the kernel would.
+    #[cfg(test)]
+    pub fn set_passed(&self, passed: u64) {
+        self.passed.store(passed, Ordering::Release);
     }
 
     /// Claims the slot for another socket, as a reuse in progress would.
