@@ -4,7 +4,7 @@ use clap::{Parser, Subcommand};
 /// jemalloc rather than glibc's malloc. Every connection allocates its task and one
 /// readiness record per socket in tokio, all aligned to 128 bytes, which glibc serves
 /// from its slow path (no thread cache for aligned blocks, then a split and a
-/// consolidation at free); measured (docs/PERFORMANCE.md, nineteenth session): a new
+/// consolidation at free); measured (docs/PERFORMANCE.md, *Allocator: jemalloc*): a new
 /// connection's setup 1.5–2 µs faster on one CPU, and 15–18 % less memory per idle
 /// connection on every dataplane.
 #[global_allocator]

@@ -249,7 +249,10 @@ async fn bytes_landing_between_drain_and_insertion_flow_on_ebpf() {
     let e = std::sync::Arc::new(
         waypoint::dataplane::ebpf::Ebpf::load(waypoint::dataplane::ebpf::Config {
             splice_after: 0,
-            sockhash_entry_pause: Some(PAUSE),
+            hooks: waypoint::dataplane::ebpf::Hooks {
+                sockhash_entry_pause: Some(PAUSE),
+                ..waypoint::dataplane::ebpf::Hooks::default()
+            },
             ..waypoint::dataplane::ebpf::Config::default()
         })
         .unwrap(),

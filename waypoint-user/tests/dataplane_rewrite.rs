@@ -556,7 +556,10 @@ async fn stranded(mark: bool) {
         ebpf::Ebpf::load(ebpf::Config {
             splice_after: 0,
             rewrite_splice: true,
-            rewrite_handover_pause: Some(Duration::from_secs(2)),
+            hooks: ebpf::Hooks {
+                rewrite_handover_pause: Some(Duration::from_secs(2)),
+                ..ebpf::Hooks::default()
+            },
             ..ebpf::Config::default()
         })
         .unwrap(),

@@ -120,8 +120,11 @@ async fn stranded_bytes() {
     common::require_root();
     let e = ebpf::Ebpf::load(ebpf::Config {
         splice_after: 0,
-        sockhash_entry_pause: Some(PAUSE),
-        sockhash_entry_no_kick: true,
+        hooks: ebpf::Hooks {
+            sockhash_entry_pause: Some(PAUSE),
+            sockhash_entry_no_kick: true,
+            ..ebpf::Hooks::default()
+        },
         ..ebpf::Config::default()
     })
     .unwrap();

@@ -135,19 +135,26 @@ pub struct Config {
     /// socket of the daemon's cgroup that connects to it (see `established.rs`), so
     /// that the daemon need not mark them. None: only marked sockets are recorded.
     pub pod_port: Option<u16>,
-    /// Tests only: the rewrite hand-over sleeps this long between reading the sockets'
-    /// sequence numbers and inserting the entries, so that a test can land a packet in
-    /// the waypoint's socket meanwhile.
-    #[doc(hidden)]
+    /// Hooks that hold a race open for a test (feature `test-hooks`, which only the
+    /// crate's own tests turn on).
+    #[cfg(any(test, feature = "test-hooks"))]
+    pub hooks: Hooks,
+}
+
+/// Test hooks of the eBPF dataplane: each makes a rare interleaving certain.
+#[cfg(any(test, feature = "test-hooks"))]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Hooks {
+    /// The rewrite hand-over sleeps this long between reading the sockets' sequence
+    /// numbers and inserting the entries, so that a test can land a packet in the
+    /// waypoint's socket meanwhile.
     pub rewrite_handover_pause: Option<Duration>,
-    /// Tests only: the SockHash entry sleeps this long between draining the sockets'
-    /// queues and inserting them, so that a test can land bytes in between.
-    #[doc(hidden)]
+    /// The SockHash entry sleeps this long between draining the sockets' queues and
+    /// inserting them, so that a test can land bytes in between.
     pub sockhash_entry_pause: Option<Duration>,
-    /// Tests only: the SockHash entry leaves out the kick after the insertion, so that
-    /// bytes landing between the drain and the insertion (see `sockhash_entry_pause`)
-    /// stay stranded: a real stall, for the stall watchdog's test.
-    #[doc(hidden)]
+    /// The SockHash entry leaves out the kick after the insertion, so that bytes landing
+    /// between the drain and the insertion (see `sockhash_entry_pause`) stay stranded: a
+    /// real stall, for the stall watchdog's test.
     pub sockhash_entry_no_kick: bool,
 }
 
@@ -162,9 +169,8 @@ impl Default for Config {
             signal_ring_bytes: waypoint_common::SIGNALS_BYTES,
             rewrite_splice: false,
             pod_port: None,
-            rewrite_handover_pause: None,
-            sockhash_entry_pause: None,
-            sockhash_entry_no_kick: false,
+            #[cfg(any(test, feature = "test-hooks"))]
+            hooks: Hooks::default(),
         }
     }
 }
@@ -514,7 +520,10 @@ impl Ebpf {
                     ports,
                     rstats,
                     signals.clone(),
-                    config.rewrite_handover_pause,
+                    #[cfg(any(test, feature = "test-hooks"))]
+                    config.hooks.rewrite_handover_pause,
+                    #[cfg(not(any(test, feature = "test-hooks")))]
+                    None,
                     records,
                     config.pod_port,
                 ));
@@ -1015,8 +1024,9 @@ impl Ebpf {
             (Entry::Kick, true) => drain_queued(downstream, down_initial)?,
             (Entry::Kick, false) => drain_queued(upstream, up_initial)?,
         };
-        if let Some(pause) = self.config.sockhash_entry_pause {
-            // Tests only (a blocking sleep, like the rewrite hand-over's).
+        #[cfg(any(test, feature = "test-hooks"))]
+        if let Some(pause) = self.config.hooks.sockhash_entry_pause {
+            // A blocking sleep, like the rewrite hand-over's.
             std::thread::sleep(pause);
         }
         // A direction with nothing to write first gets its credit before its socket goes
@@ -1036,7 +1046,11 @@ impl Ebpf {
             } else {
                 None
             };
-        if attached.is_some() && !self.config.sockhash_entry_no_kick {
+        #[cfg(any(test, feature = "test-hooks"))]
+        let kick = !self.config.hooks.sockhash_entry_no_kick;
+        #[cfg(not(any(test, feature = "test-hooks")))]
+        let kick = true;
+        if attached.is_some() && kick {
             // The insertion alone does not run the verdict over what is queued: with
             // `Kick`, the second socket's queue; with either, whatever arrived after its
             // drain. Left queued, those bytes wait for the next segment to arrive, and a
@@ -2397,7 +2411,10 @@ mod tests {
         const UP: usize = 300_000;
         let dp = Ebpf::load(Config {
             splice_after: 0,
-            sockhash_entry_pause: Some(Duration::from_millis(300)),
+            hooks: Hooks {
+                sockhash_entry_pause: Some(Duration::from_millis(300)),
+                ..Hooks::default()
+            },
             ..Config::default()
         })
         .unwrap();
