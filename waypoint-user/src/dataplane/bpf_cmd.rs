@@ -1,4 +1,5 @@
-//! `bpf(2)` commands aya does not wrap: several elements of a map inserted or removed in
+//! `bpf(2)` commands aya does not wrap, and reading aya's maps the way both BPF paths
+//! need (`per_cpu_total`). The commands: several elements of a map inserted or removed in
 //! one system call (`BPF_MAP_UPDATE_BATCH`, `BPF_MAP_DELETE_BATCH`, kernel 5.6+; the
 //! rewrite splice puts in two entries per connection, one call instead of two on every
 //! connection's setup path, and takes out those of every connection whose linger ended
@@ -10,7 +11,15 @@ use std::{
     os::fd::{AsRawFd, BorrowedFd},
 };
 
-use aya::Pod;
+use aya::{
+    maps::{MapData, PerCpuArray},
+    Pod,
+};
+
+/// Entry `index` of a per-CPU statistics array, summed over CPUs (0 if unreadable).
+pub(super) fn per_cpu_total(stats: &PerCpuArray<MapData, u64>, index: u32) -> u64 {
+    stats.get(&index, 0).map(|v| v.iter().sum()).unwrap_or(0)
+}
 
 const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
 const BPF_MAP_DELETE_BATCH: libc::c_long = 27;

@@ -61,10 +61,10 @@ use waypoint_common::{
     REWRITE_FIN, REWRITE_FROM_POD, REWRITE_RST, REWRITE_SLOT_BASE, REWRITE_WATCH,
 };
 
-use super::ebpf::per_cpu_total;
+use super::bpf_cmd::{self, per_cpu_total};
 use super::established::Records;
 use super::signals::{Rearm, Signals};
-use super::{bpf_cmd, End, Limits, Outcome, Socket};
+use super::{End, Limits, Outcome, Socket};
 
 /// How long the entries of an ended connection stay: the last ACK, or a retransmitted
 /// FIN, must still be rewritten (an RTO is 200 ms at least, doubling).
