@@ -1,0 +1,117 @@
+//! RCU grace periods for hand-overs: one `membarrier` for every hand-over waiting when
+//! it starts, on a thread of its own (the call blocks).
+
+use std::{
+    io,
+    sync::{Arc, Condvar, Mutex},
+    time::{Duration, Instant},
+};
+
+use tracing::warn;
+
+use super::*;
+
+/// RCU grace periods for hand-overs, one `membarrier` for every hand-over waiting when it
+/// starts (about 8 ms each here). A thread of its own, as the call blocks.
+pub(super) struct Grace {
+    pub(super) state: Mutex<GraceState>,
+    pub(super) wake: Condvar,
+    pub(super) done: tokio::sync::watch::Sender<u64>,
+}
+
+/// What hand-overs and the grace thread share.
+#[derive(Default)]
+pub(super) struct GraceState {
+    /// Grace periods asked for so far.
+    pub(super) requested: u64,
+    /// The thread waits on the condition variable: only then does a request notify it
+    /// (a system call). Busy or pausing between grace periods, the thread looks at
+    /// `requested` before it waits again.
+    pub(super) waiting: bool,
+}
+
+impl Grace {
+    pub(super) fn start() -> Arc<Grace> {
+        let grace = Arc::new(Grace {
+            state: Mutex::new(GraceState::default()),
+            wake: Condvar::new(),
+            done: tokio::sync::watch::Sender::new(0),
+        });
+        let weak = Arc::downgrade(&grace);
+        let spawned = std::thread::Builder::new()
+            .name("waypoint-grace".into())
+            .spawn(move || Grace::run(&weak));
+        if let Err(e) = spawned {
+            // Without the thread every hand-over would wait for ever: say so, and let
+            // `wait` fall back to a grace period of its own.
+            warn!(error = %e, "starting the rewrite grace thread failed");
+        }
+        grace
+    }
+
+    pub(super) fn run(weak: &std::sync::Weak<Grace>) {
+        let mut done = 0;
+        loop {
+            let Some(grace) = weak.upgrade() else { return };
+            let target = {
+                let mut state = lock(&grace.state);
+                while state.requested == done {
+                    state.waiting = true;
+                    let (g, timeout) = grace
+                        .wake
+                        .wait_timeout(state, Duration::from_secs(1))
+                        .unwrap_or_else(|p| p.into_inner());
+                    state = g;
+                    state.waiting = false;
+                    if timeout.timed_out()
+                        && state.requested == done
+                        && Arc::strong_count(&grace) == 1
+                    {
+                        return;
+                    }
+                }
+                state.requested
+            };
+            let started = Instant::now();
+            membarrier();
+            done = target;
+            grace.done.send_replace(done);
+            // Back to back, forced grace periods keep RCU busy on every CPU and cost
+            // the machine's other work a tail (measured: setup p99 1.15 ms instead of
+            // 0.28 ms pinned). Hand-overs can wait: nothing but the check waits on it.
+            drop(grace);
+            std::thread::sleep(GRACE_INTERVAL.saturating_sub(started.elapsed()));
+        }
+    }
+
+    /// Returns once a grace period that started after this call has ended.
+    pub(super) async fn wait(&self) {
+        let (mine, waiting) = {
+            let mut state = lock(&self.state);
+            state.requested += 1;
+            (state.requested, state.waiting)
+        };
+        if waiting {
+            self.wake.notify_one();
+        }
+        let mut rx = self.done.subscribe();
+        if tokio::time::timeout(Duration::from_secs(5), rx.wait_for(|d| *d >= mine))
+            .await
+            .is_err()
+        {
+            // The thread is gone or stuck: one grace period of this task's own.
+            let _ = tokio::task::spawn_blocking(membarrier).await;
+        }
+    }
+}
+
+pub(super) fn membarrier() {
+    // SAFETY: membarrier takes no pointers; MEMBARRIER_CMD_GLOBAL waits for an RCU grace
+    // period (synchronize_rcu) on a machine with more than one CPU, and on one CPU every
+    // packet in flight has been handled by the time this thread runs.
+    let r = unsafe { libc::syscall(libc::SYS_membarrier, MEMBARRIER_CMD_GLOBAL, 0, 0) };
+    if r < 0 {
+        warn!(error = %io::Error::last_os_error(), "membarrier failed; sleeping 50 ms instead");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

@@ -1,0 +1,263 @@
+//! A connection spliced by rewriting, after its hand-over: [`Spliced`] waits for the
+//! program's report of its end (or its idle timeout or lifetime), then lets its entries
+//! linger ([`Lingering`]) for the last ACK and any resent FIN.
+
+use std::{
+    future::Future,
+    os::fd::{AsRawFd, OwnedFd},
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll},
+    time::{Duration, Instant},
+};
+
+use tracing::debug;
+use waypoint_common::{RewriteEnd, END_CLIENT_RST, END_CLOSED, END_GONE, END_POD_RST};
+
+use crate::dataplane::signals::Rearm;
+use crate::dataplane::{End, Limits, Outcome};
+
+use super::*;
+
+/// What the hand-over leaves of a spliced connection: all [`Spliced`] needs.
+pub(in crate::dataplane) struct Handed {
+    pub(super) addrs: Addrs,
+    pub(super) slot: u32,
+    /// B, kept for its 4-tuple (and, until the pod acknowledges it, to resend the hello).
+    pub(super) upstream: OwnedFd,
+    /// The hello's length and what was read behind it: the daemon sent them itself.
+    pub(super) initial_len: u64,
+    /// When the hand-over started, for the lifetime.
+    pub(super) start: Instant,
+}
+
+pin_project_lite::pin_project! {
+    /// The spliced phase: waits for the connection's end (a signal from the program, the
+    /// idle timeout, the lifetime) and returns the outcome, leaving the entries of an end
+    /// that came by itself to linger ([`Rewriter::sweep`]).
+    ///
+    /// Hand-written, and all of a spliced connection's state in the daemon (about 250
+    /// bytes, inline in the connection's task): an `async fn` would hold the hand-over's
+    /// state beside it. Dropped before its end (the drain deadline), it ends the
+    /// connection: entries out, both ends reset.
+    pub(in crate::dataplane) struct Spliced {
+        #[pin]
+        timer: tokio::time::Sleep,
+        conn: Conn,
+    }
+}
+
+/// [`Spliced`] without its timer.
+pub(super) struct Conn {
+    pub(super) rewriter: Arc<Rewriter>,
+    pub(super) addrs: Addrs,
+    pub(super) slot: u32,
+    /// B; None once handed to the linger ([`Lingering`]).
+    pub(super) upstream: Option<OwnedFd>,
+    pub(super) initial_len: u64,
+    pub(super) idle_timeout: Duration,
+    /// When the lifetime ends, if it does.
+    pub(super) lifetime_end: Option<Instant>,
+    pub(super) phase: Phase,
+}
+
+/// Where a spliced connection is in its life. One enum rather than a field per phase:
+/// it sizes every spliced connection's task.
+#[derive(Clone, Copy)]
+pub(super) enum Phase {
+    /// Going on.
+    Live {
+        /// Packets rewritten at the last timer, both directions.
+        seen: u64,
+        /// Registered for the slot's signals.
+        registered: bool,
+    },
+    /// The outcome returned; the entries gone, or lingering ([`Rewriter::sweep`]).
+    Done,
+}
+
+impl Spliced {
+    /// `rewriter` must be the one that handed the connection over.
+    pub fn new(rewriter: Arc<Rewriter>, handed: Handed, limits: Limits) -> Spliced {
+        let Handed {
+            addrs,
+            slot,
+            upstream,
+            initial_len,
+            start,
+        } = handed;
+        let conn = Conn {
+            rewriter,
+            addrs,
+            slot,
+            upstream: Some(upstream),
+            initial_len,
+            idle_timeout: limits.idle_timeout,
+            lifetime_end: limits.max_lifetime.map(|l| start + l),
+            // Registered by the hand-over, before the entries went in; no packet was
+            // rewritten before them.
+            phase: Phase::Live {
+                seen: 0,
+                registered: true,
+            },
+        };
+        Spliced {
+            timer: tokio::time::sleep_until(conn.deadline(Instant::now()).into()),
+            conn,
+        }
+    }
+}
+
+impl Conn {
+    /// When to look at the connection next: the idle timeout from `now`, or the end of
+    /// its lifetime if sooner.
+    pub(super) fn deadline(&self, now: Instant) -> Instant {
+        let idle = now + self.idle_timeout;
+        self.lifetime_end.map_or(idle, |l| l.min(idle))
+    }
+
+    pub(super) fn unregister(&mut self) {
+        if let Phase::Live { registered, .. } = &mut self.phase {
+            if std::mem::take(registered) {
+                self.rewriter.signals.unregister(self.slot);
+            }
+        }
+    }
+
+    /// The outcome of a connection that ended by itself (`bytes` from its end: final,
+    /// nothing follows a reset or the second FIN). Its entries and B go to the linger.
+    pub(super) fn ended(&mut self, end: End, bytes: (u64, u64)) -> Outcome {
+        self.unregister();
+        if let Some(upstream) = self.upstream.take() {
+            let mut queue = lock(&self.rewriter.lingering);
+            // Read under the lock: the queue stays in order of `due` whichever worker
+            // pushes.
+            queue.push_back(Lingering {
+                due: Instant::now() + LINGER,
+                entries: self.addrs.entries(),
+                slot: self.slot,
+                upstream,
+            });
+        }
+        self.done(end, bytes)
+    }
+
+    /// The outcome of an end the daemon decided: the entries go at once and both ends
+    /// get a reset.
+    pub(super) fn aborted(&mut self, end: End) -> Outcome {
+        self.unregister();
+        let entries = self.addrs.entries();
+        let bytes = self.rewriter.abort(&self.addrs, &entries, self.slot, None);
+        // B closes (silently) when the task drops.
+        self.done(end, bytes)
+    }
+
+    pub(super) fn done(&mut self, end: End, (d2u, u2d): (u64, u64)) -> Outcome {
+        self.phase = Phase::Done;
+        Outcome {
+            downstream_to_upstream: self.initial_len + d2u,
+            upstream_to_downstream: u2d,
+            end,
+        }
+    }
+}
+
+impl Future for Spliced {
+    type Output = Outcome;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Outcome> {
+        let mut this = self.project();
+        let c = this.conn;
+        loop {
+            let (seen, registered) = match c.phase {
+                // Polled after its end: nothing more to say.
+                Phase::Done => return Poll::Pending,
+                Phase::Live { seen, registered } => (seen, registered),
+            };
+            let rearm = c.rewriter.signals.rearm(c.slot, cx.waker());
+            if let Rearm::Ended(e) = rearm {
+                // As the program saw it: no look at the entries. `rearm` unregistered
+                // the slot.
+                if let Some((end, bytes)) = reported(&e) {
+                    return Poll::Ready(c.ended(end, bytes));
+                }
+            }
+            // Still registered since the last look: no signal came, and the entries
+            // need no look (two system calls) unless the timer fired.
+            let quiet = rearm == Rearm::Quiet && registered;
+            c.phase = Phase::Live {
+                seen,
+                registered: true,
+            };
+            let timer = this.timer.as_mut().poll(cx).is_ready();
+            if quiet && !timer {
+                return Poll::Pending;
+            }
+            // After the registration: a signal sent from here on wakes this task.
+            let state = c.rewriter.state(&c.addrs.entries());
+            if let Some(end) = state.end {
+                return Poll::Ready(c.ended(end, state.bytes));
+            }
+            if !timer {
+                return Poll::Pending;
+            }
+            let now = Instant::now();
+            if c.lifetime_end.is_some_and(|l| now >= l) {
+                return Poll::Ready(c.aborted(End::LifetimeExceeded));
+            }
+            // `state` was read after the timer fired.
+            if state.packets == seen {
+                return Poll::Ready(c.aborted(End::IdleTimeout));
+            }
+            c.phase = Phase::Live {
+                seen: state.packets,
+                registered: true,
+            };
+            this.timer.as_mut().reset(c.deadline(now).into());
+        }
+    }
+}
+
+/// How a connection ended and the bytes each direction carried, from the program's
+/// record; None for a record this build does not know (the entries tell then).
+pub(super) fn reported(e: &RewriteEnd) -> Option<(End, (u64, u64))> {
+    let end = match e.how {
+        END_CLOSED => End::Closed,
+        END_CLIENT_RST => End::DownstreamReset,
+        END_POD_RST => End::UpstreamReset,
+        // As `Rewriter::state` says of entries the program removed.
+        END_GONE => return Some((End::DownstreamReset, (0, 0))),
+        _ => return None,
+    };
+    Some((end, (e.client_bytes, e.pod_bytes)))
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        if let Phase::Live { .. } = self.phase {
+            self.unregister();
+            debug!(client = %self.addrs.client, "spliced connection ended by the daemon: both ends reset");
+            self.rewriter
+                .abort(&self.addrs, &self.addrs.entries(), self.slot, None);
+        }
+        // Silent: the pod learnt of the end from the client, or from its reset.
+        if let Some(b) = &self.upstream {
+            let _ = set_repair(b.as_raw_fd(), 1);
+        }
+    }
+}
+
+/// An ended connection whose entries linger ([`LINGER`]) until [`Rewriter::sweep`]
+/// removes them; B closes silently when it drops (also when the rewriter goes first).
+pub(super) struct Lingering {
+    pub(super) due: Instant,
+    pub(super) entries: Entries,
+    pub(super) slot: u32,
+    pub(super) upstream: OwnedFd,
+}
+
+impl Drop for Lingering {
+    fn drop(&mut self) {
+        let _ = set_repair(self.upstream.as_raw_fd(), 1);
+    }
+}
