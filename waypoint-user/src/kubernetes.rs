@@ -36,7 +36,7 @@ use tracing::{debug, info, warn};
 
 pub use metrics::{Metrics, Watched};
 
-use crate::registry::etcd::{LocalSet, NodeIdentity};
+use crate::registry::local::{LocalSet, NodeIdentity};
 
 /// Errors of the Kubernetes source.
 #[derive(Debug, thiserror::Error)]

@@ -4,6 +4,7 @@
 
 pub mod etcd;
 pub mod file;
+pub mod local;
 pub mod metrics;
 pub mod record;
 

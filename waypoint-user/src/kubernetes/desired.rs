@@ -29,7 +29,7 @@ use k8s_openapi::{
     apimachinery::pkg::util::intstr::IntOrString,
 };
 
-use crate::registry::etcd::{LocalEndpoint, LocalSet, NodeIdentity};
+use crate::registry::local::{LocalEndpoint, LocalSet, NodeIdentity};
 
 /// The Service annotation that exports a service to other clusters (the deploy manifests
 /// use it too).

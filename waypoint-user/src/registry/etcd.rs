@@ -8,7 +8,6 @@
 
 use std::{
     collections::BTreeMap,
-    net::IpAddr,
     path::{Path, PathBuf},
     time::{Duration, SystemTime},
 };
@@ -18,10 +17,11 @@ use etcd_client::{
     Certificate, Client, ConnectOptions, DeleteOptions, EventType, GetOptions, Identity,
     PutOptions, TlsOptions, WatchOptions,
 };
-use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
+
+pub use super::local::{LocalDocument, LocalEndpoint, LocalSet, NodeIdentity};
 
 use crate::{
     model::Endpoint,
@@ -441,82 +441,6 @@ impl Watcher {
     }
 }
 
-/// One of this node's pods, as listed in `--local-endpoints`. The cluster, node, node IP
-/// and locality come from the daemon's own flags.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct LocalEndpoint {
-    /// Service name.
-    pub service: String,
-    /// Namespace.
-    pub namespace: String,
-    /// The pod's IP.
-    pub pod_ip: IpAddr,
-    /// The pod's name (the key uses the pod IP when empty).
-    #[serde(default)]
-    pub pod_name: String,
-    /// The pod's service account.
-    #[serde(default)]
-    pub service_account: String,
-    /// Served ports; empty means any.
-    #[serde(default)]
-    pub ports: Vec<u16>,
-    /// Whether the pod is ready.
-    #[serde(default = "yes")]
-    pub ready: bool,
-    /// Whether the service is exported.
-    #[serde(default)]
-    pub exported: bool,
-}
-
-fn yes() -> bool {
-    true
-}
-
-/// The `--local-endpoints` document.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct LocalDocument {
-    /// This node's pods.
-    pub endpoints: Vec<LocalEndpoint>,
-}
-
-/// Who this node is: stamped on every record it registers.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct NodeIdentity {
-    /// Cluster.
-    pub cluster: String,
-    /// Node name.
-    pub node: String,
-    /// Node IP (None: other clusters cannot reach these pods through the waypoint).
-    pub node_ip: Option<IpAddr>,
-    /// Region.
-    pub region: String,
-    /// Zone.
-    pub zone: String,
-}
-
-impl NodeIdentity {
-    /// The full endpoint of a local pod.
-    pub fn endpoint(&self, l: &LocalEndpoint) -> Endpoint {
-        Endpoint {
-            service: l.service.clone(),
-            namespace: l.namespace.clone(),
-            cluster: self.cluster.clone(),
-            region: self.region.clone(),
-            zone: self.zone.clone(),
-            pod_ip: l.pod_ip,
-            pod_name: l.pod_name.clone(),
-            node_name: self.node.clone(),
-            node_ip: self.node_ip,
-            service_account: l.service_account.clone(),
-            ports: l.ports.clone(),
-            ready: l.ready,
-            exported: l.exported,
-        }
-    }
-}
-
 /// Reads a `--local-endpoints` file.
 pub fn load_local(path: &Path) -> Result<LocalDocument, Error> {
     let text = std::fs::read(path).map_err(|source| Error::ReadLocal {
@@ -532,16 +456,6 @@ pub fn load_local(path: &Path) -> Result<LocalDocument, Error> {
 fn stamp(path: &Path) -> Option<(SystemTime, u64)> {
     let m = std::fs::metadata(path).ok()?;
     Some((m.modified().ok()?, m.len()))
-}
-
-/// A node's desired registration as a live source computes it: who the node is now
-/// (its IP and locality may change) and its endpoints.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct LocalSet {
-    /// Stamped on every record, instead of the registrar's own identity.
-    pub identity: NodeIdentity,
-    /// This node's pods.
-    pub endpoints: Vec<LocalEndpoint>,
 }
 
 /// Where the registrar's endpoints come from.
