@@ -28,7 +28,7 @@ use std::{
 
 use serde_json::{json, Value};
 use tokio::{io::AsyncReadExt as _, net::TcpListener, runtime::Runtime};
-use waypoint::dataplane::{copy::Copy, ebpf, splice::Splice, Dataplane, End, Limits};
+use waypoint::dataplane::{copy::UserspaceCopy, ebpf, splice::Splice, Dataplane, End, Limits};
 
 /// Size of the fixed first message, standing in for a TLS ClientHello.
 const HELLO_LEN: usize = 517;
@@ -811,7 +811,7 @@ fn main() {
                 ..Default::default()
             }),
             "splice" => Some(Arc::new(Dataplane::Splice(Splice::default()))),
-            "copy" | "copy-nopark" => Some(Arc::new(Dataplane::Copy(Copy))),
+            "copy" | "copy-nopark" => Some(Arc::new(Dataplane::Copy(UserspaceCopy))),
             _ => unreachable!("listed above"),
         };
         let limits = Limits {

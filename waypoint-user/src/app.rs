@@ -10,7 +10,7 @@ use tracing::{info, warn};
 use crate::{
     admin::{Admin, Api, Readiness},
     config::Config,
-    dataplane::{copy::Copy, ebpf::Ebpf, splice::Splice, Dataplane, Kind},
+    dataplane::{copy::UserspaceCopy, ebpf::Ebpf, splice::Splice, Dataplane, Kind},
     kubernetes,
     metrics::Metrics,
     registry::{self, etcd},
@@ -29,7 +29,7 @@ pub fn choose_dataplane(config: &Config) -> anyhow::Result<Dataplane> {
             Ebpf::load(config.ebpf()).context("--dataplane=ebpf was asked for")?,
         )),
         Kind::Splice => Dataplane::Splice(splice()),
-        Kind::Copy => Dataplane::Copy(Copy),
+        Kind::Copy => Dataplane::Copy(UserspaceCopy),
         Kind::Auto => match Ebpf::load(config.ebpf()) {
             Ok(e) => Dataplane::Ebpf(Arc::new(e)),
             Err(e) => {

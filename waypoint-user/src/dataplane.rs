@@ -204,7 +204,7 @@ pub enum Dataplane {
     /// See [`splice`].
     Splice(splice::Splice),
     /// See [`copy`].
-    Copy(copy::Copy),
+    Copy(copy::UserspaceCopy),
 }
 
 impl Dataplane {

@@ -589,7 +589,7 @@ mod tests {
     async fn connect_returns_established_streams_and_errors() {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
-        let stream = connect(addr, &Dataplane::Copy(dataplane::copy::Copy))
+        let stream = connect(addr, &Dataplane::Copy(dataplane::copy::UserspaceCopy))
             .await
             .unwrap();
         let info = dataplane::tcp_info(&stream).unwrap();
@@ -599,7 +599,7 @@ mod tests {
         let peer = socket2::SockRef::from(&stream).peer_addr().unwrap();
         assert_eq!(peer.as_socket(), Some(addr));
         drop(listener);
-        let refused = connect(addr, &Dataplane::Copy(dataplane::copy::Copy))
+        let refused = connect(addr, &Dataplane::Copy(dataplane::copy::UserspaceCopy))
             .await
             .unwrap_err();
         assert_eq!(refused.kind(), std::io::ErrorKind::ConnectionRefused);
@@ -616,7 +616,7 @@ mod tests {
             .unwrap();
         socket.listen(0).unwrap();
         let addr = socket.local_addr().unwrap().as_socket().unwrap();
-        let copy = Dataplane::Copy(dataplane::copy::Copy);
+        let copy = Dataplane::Copy(dataplane::copy::UserspaceCopy);
         // Fill the accept queue (backlog 0 holds one) and never accept.
         let mut held = Vec::new();
         let mut pending = None;

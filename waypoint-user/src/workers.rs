@@ -330,7 +330,7 @@ mod tests {
             test_router_config(),
             store,
             Arc::new(crate::dataplane::Dataplane::Copy(
-                crate::dataplane::copy::Copy,
+                crate::dataplane::copy::UserspaceCopy,
             )),
             crate::router::Metrics::new(&mut prometheus_client::registry::Registry::default()),
         ));
@@ -361,7 +361,7 @@ mod tests {
             test_router_config(),
             crate::store::Store::new(),
             Arc::new(crate::dataplane::Dataplane::Copy(
-                crate::dataplane::copy::Copy,
+                crate::dataplane::copy::UserspaceCopy,
             )),
             metrics.clone(),
         ));

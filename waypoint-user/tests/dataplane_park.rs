@@ -22,7 +22,7 @@ use tokio::{
     sync::Mutex,
 };
 use waypoint::dataplane::{
-    copy::Copy,
+    copy::UserspaceCopy,
     ebpf::{self, Ebpf},
     parking, Dataplane, End, Kind, Limits,
 };
@@ -73,7 +73,7 @@ both!(
 
 fn dataplane(kind: Kind) -> Arc<Dataplane> {
     match kind {
-        Kind::Copy => Arc::new(Dataplane::Copy(Copy)),
+        Kind::Copy => Arc::new(Dataplane::Copy(UserspaceCopy)),
         Kind::Ebpf => {
             common::require_root();
             Arc::new(Dataplane::Ebpf(Arc::new(

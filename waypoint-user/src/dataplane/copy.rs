@@ -49,9 +49,9 @@ const SMALL_READ: usize = 4096;
 
 /// The userspace copy dataplane. Stateless.
 #[derive(Clone, Debug, Default)]
-pub struct Copy;
+pub struct UserspaceCopy;
 
-impl Copy {
+impl UserspaceCopy {
     /// See [`super::Dataplane::forward`].
     pub fn forward(
         &self,

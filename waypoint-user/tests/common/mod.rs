@@ -11,7 +11,9 @@ pub mod hello;
 use std::{net::SocketAddr, sync::Arc, sync::OnceLock};
 
 use tokio::sync::{mpsc, Semaphore};
-use waypoint::dataplane::{copy::Copy, ebpf, splice::Splice, Dataplane, Kind, Limits, Outcome};
+use waypoint::dataplane::{
+    copy::UserspaceCopy, ebpf, splice::Splice, Dataplane, Kind, Limits, Outcome,
+};
 
 /// The eBPF dataplane is loaded once per test binary: loading is ~60 ms and every test
 /// may share the maps (each connection has its own entries).
@@ -40,7 +42,7 @@ pub fn dataplane(kind: Kind) -> Arc<Dataplane> {
     match kind {
         Kind::Ebpf => ebpf(),
         Kind::Splice => Arc::new(Dataplane::Splice(Splice::default())),
-        Kind::Copy => Arc::new(Dataplane::Copy(Copy)),
+        Kind::Copy => Arc::new(Dataplane::Copy(UserspaceCopy)),
         Kind::Auto => unreachable!("tests name a concrete dataplane"),
     }
 }
