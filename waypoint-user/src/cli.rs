@@ -9,7 +9,7 @@ use serde::Serialize;
 
 use crate::{
     envoy,
-    horizon::{self, Mode, Query},
+    horizon::{self, Mode, Query, ServiceName},
     model::Endpoint,
     registry::{
         self,
@@ -35,7 +35,7 @@ impl Source {
         match &self.registry {
             registry::Location::Etcd(urls) => Ok(Connector::new(urls.clone(), &self.etcd)?),
             registry::Location::File(p) => anyhow::bail!(
-                "{} is a file registry: edit the file instead (registry commands need etcd:URL)",
+                "{} is a file registry: edit the file instead (registry put and delete need etcd:URL)",
                 p.display()
             ),
         }
@@ -137,7 +137,8 @@ impl ViewerArgs {
 /// `waypoint resolve`.
 #[derive(Clone, Debug, clap::Args)]
 pub struct ResolveArgs {
-    /// The service port: `<service>.<namespace>:<port>`, e.g. `reviews.bookinfo:9080`.
+    /// The service port: `<service>.<namespace>:<port>`, e.g. `reviews.bookinfo:9080`
+    /// (service and namespace are DNS-1123 labels).
     pub target: Query,
 
     // --registry and the etcd TLS flags.
@@ -157,9 +158,9 @@ pub struct ResolveArgs {
 /// `waypoint envoy-config`.
 #[derive(Clone, Debug, clap::Args)]
 pub struct EnvoyConfigArgs {
-    /// The service: `<service>.<namespace>`, e.g. `reviews.bookinfo`.
+    /// The service: `<service>.<namespace>`, e.g. `reviews.bookinfo` (DNS-1123 labels).
     #[arg(long)]
-    pub service: String,
+    pub service: ServiceName,
 
     /// The service port, e.g. `9080`.
     #[arg(long)]
@@ -212,7 +213,8 @@ pub struct EnvoyConfigArgs {
 pub enum RegistryCommand {
     /// Write one endpoint record, with no lease: it stays until `registry delete`.
     Put(Box<PutArgs>),
-    /// List every record under the root (all clusters).
+    /// List every record under the root (all clusters); a file registry lists its
+    /// endpoints with the keys etcd would give them.
     List(ListArgs),
     /// Delete records by key (as `list` prints them), or every key under a prefix.
     Delete(DeleteArgs),
@@ -345,20 +347,11 @@ pub async fn resolve(args: ResolveArgs) -> anyhow::Result<()> {
 /// Runs `waypoint envoy-config`: prints the Bootstrap JSON on stdout, what the view left
 /// out on stderr.
 pub async fn envoy_config(args: EnvoyConfigArgs) -> anyhow::Result<()> {
-    let (service, namespace) = args
-        .service
-        .split_once('.')
-        .filter(|(s, n)| !s.is_empty() && !n.is_empty() && !n.contains('.'))
-        .with_context(|| {
-            format!(
-                "--service {:?} is not <service>.<namespace> (e.g. reviews.bookinfo)",
-                args.service
-            )
-        })?;
     anyhow::ensure!(args.port != 0, "--port must not be 0");
+    let ServiceName { service, namespace } = args.service;
     let query = Query {
-        service: service.to_owned(),
-        namespace: namespace.to_owned(),
+        service,
+        namespace,
         port: args.port,
     };
     let endpoints: Vec<Endpoint> = args
@@ -406,7 +399,7 @@ pub async fn registry(cmd: RegistryCommand) -> anyhow::Result<()> {
             writeln!(stdout, "{key}")?;
         }
         RegistryCommand::List(args) => {
-            args.source.connector()?;
+            // Either registry lists: the file's records get the keys etcd would give them.
             let endpoints = args.source.endpoints().await?;
             match args.output {
                 Output::Json => {

@@ -72,12 +72,64 @@ pub struct Query {
     pub port: u16,
 }
 
-/// Errors of the `<svc>.<ns>:<port>` syntax.
+/// Errors of the `<svc>.<ns>:<port>` and `<svc>.<ns>` syntax.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum QueryError {
     /// Not of the form.
     #[error("{0:?} is not <service>.<namespace>:<port> (e.g. reviews.bookinfo:9080)")]
     Syntax(String),
+    /// Not of the form `<service>.<namespace>`.
+    #[error("{0:?} is not <service>.<namespace> (e.g. reviews.bookinfo)")]
+    ServiceSyntax(String),
+    /// A service or namespace that cannot exist: Kubernetes names both with DNS-1123
+    /// labels.
+    #[error(
+        "{what} {name:?} is not a DNS-1123 label (lowercase letters, digits and '-', \
+         starting and ending with a letter or digit, at most 63 characters)"
+    )]
+    Label {
+        /// "service" or "namespace".
+        what: &'static str,
+        name: String,
+    },
+}
+
+/// A service, `<service>.<namespace>`: two DNS-1123 labels.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServiceName {
+    /// Service.
+    pub service: String,
+    /// Namespace.
+    pub namespace: String,
+}
+
+/// A DNS-1123 label: lowercase letters, digits and '-', starting and ending with a letter
+/// or digit, at most 63 characters (what Kubernetes names services and namespaces with).
+fn is_dns1123_label(label: &str) -> bool {
+    crate::sni::is_dns_label(label) && !label.bytes().any(|b| b.is_ascii_uppercase())
+}
+
+impl std::str::FromStr for ServiceName {
+    type Err = QueryError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (service, namespace) = s
+            .split_once('.')
+            .filter(|(_, n)| !n.contains('.'))
+            .ok_or_else(|| QueryError::ServiceSyntax(s.to_owned()))?;
+        for (what, name) in [("service", service), ("namespace", namespace)] {
+            if !is_dns1123_label(name) {
+                return Err(QueryError::Label {
+                    what,
+                    name: name.to_owned(),
+                });
+            }
+        }
+        Ok(ServiceName {
+            service: service.to_owned(),
+            namespace: namespace.to_owned(),
+        })
+    }
 }
 
 impl std::str::FromStr for Query {
@@ -86,14 +138,17 @@ impl std::str::FromStr for Query {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let bad = || QueryError::Syntax(s.to_owned());
         let (name, port) = s.rsplit_once(':').ok_or_else(bad)?;
-        let (service, namespace) = name.split_once('.').ok_or_else(bad)?;
         let port: u16 = port.parse().map_err(|_| bad())?;
-        if service.is_empty() || namespace.is_empty() || namespace.contains('.') || port == 0 {
+        if port == 0 {
             return Err(bad());
         }
+        let ServiceName { service, namespace } = name.parse().map_err(|e| match e {
+            QueryError::ServiceSyntax(_) => bad(),
+            e => e,
+        })?;
         Ok(Query {
-            service: service.to_owned(),
-            namespace: namespace.to_owned(),
+            service,
+            namespace,
             port,
         })
     }
@@ -467,6 +522,63 @@ left out: no_node_ip=1 not_ready=1
         ] {
             assert!(bad.parse::<Query>().is_err(), "{bad}");
         }
+    }
+
+    /// Names that cannot exist in Kubernetes are refused, naming the part at fault,
+    /// rather than resolving to nothing.
+    #[test]
+    fn service_and_namespace_are_dns_1123_labels() {
+        let label = |what, name: &str| {
+            Err(QueryError::Label {
+                what,
+                name: name.into(),
+            })
+        };
+        assert_eq!(
+            "re views.bookinfo:9080".parse::<Query>(),
+            label("service", "re views")
+        );
+        assert_eq!(
+            "Reviews.bookinfo:9080".parse::<Query>(),
+            label("service", "Reviews")
+        );
+        assert_eq!(
+            "reviews.Bookinfo:9080".parse::<Query>(),
+            label("namespace", "Bookinfo")
+        );
+        assert_eq!(
+            "reviews.book_info:1".parse::<Query>(),
+            label("namespace", "book_info")
+        );
+        assert_eq!(
+            "-reviews.bookinfo:1".parse::<Query>(),
+            label("service", "-reviews")
+        );
+        let long = "a".repeat(64);
+        assert_eq!(
+            format!("{long}.b:1").parse::<Query>(),
+            label("service", &long)
+        );
+        let ok = "a".repeat(63);
+        assert!(format!("{ok}.b-2:1").parse::<Query>().is_ok());
+        assert_eq!(
+            "reviews.bookinfo".parse(),
+            Ok(ServiceName {
+                service: "reviews".into(),
+                namespace: "bookinfo".into()
+            })
+        );
+        assert_eq!(
+            "reviews".parse::<ServiceName>(),
+            Err(QueryError::ServiceSyntax("reviews".into()))
+        );
+        assert_eq!(
+            "Reviews.x".parse::<ServiceName>(),
+            Err(QueryError::Label {
+                what: "service",
+                name: "Reviews".into()
+            })
+        );
     }
 
     #[test]

@@ -817,7 +817,8 @@ fn parse_port(label: &str) -> Result<u16, SniError> {
 }
 
 /// RFC 1123 label, case-insensitive: letters, digits and inner hyphens, 1-63 bytes.
-fn is_dns_label(label: &str) -> bool {
+/// An RFC 1123 label, in either case (SNI matching is case-insensitive).
+pub(crate) fn is_dns_label(label: &str) -> bool {
     let bytes = label.as_bytes();
     matches!((bytes.first(), bytes.last()), (Some(first), Some(last))
         if first.is_ascii_alphanumeric() && last.is_ascii_alphanumeric())

@@ -1,0 +1,120 @@
+//! The operator tools against a file registry, run as an operator runs them: the
+//! `waypoint` binary, its output and its exit code.
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+
+use std::process::{Command, Output};
+
+fn waypoint(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_waypoint"))
+        .args(args)
+        .output()
+        .expect("the waypoint binary runs")
+}
+
+/// A file registry with two pods of reviews.bookinfo in two clusters.
+fn registry(dir: &std::path::Path) -> String {
+    let path = dir.join("endpoints.json");
+    std::fs::write(
+        &path,
+        r#"{"endpoints":[
+  {"service":"reviews","namespace":"bookinfo","cluster":"a","pod_ip":"10.1.0.5","node_name":"a1","node_ip":"192.168.10.5","ports":[9080],"exported":true,"ready":true},
+  {"service":"reviews","namespace":"bookinfo","cluster":"b","pod_ip":"10.2.0.5","node_name":"b1","node_ip":"192.168.20.5","ports":[9080],"exported":true,"ready":true}
+]}"#,
+    )
+    .unwrap();
+    format!("file:{}", path.display())
+}
+
+fn tempdir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("waypoint-cli-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A service or namespace that is no DNS-1123 label cannot exist: `resolve` and
+/// `envoy-config` refuse it with a message naming it and exit 2, as for a bad port,
+/// rather than printing an empty view.
+#[test]
+fn names_that_cannot_exist_are_refused() {
+    let dir = tempdir("names");
+    let registry = registry(&dir);
+    for target in [
+        "re views.bookinfo:9080",
+        "Reviews.bookinfo:9080",
+        "reviews.book_info:9080",
+    ] {
+        let out = waypoint(&["resolve", target, "--registry", &registry, "--cluster", "a"]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{target}: {stderr}");
+        assert!(stderr.contains("DNS-1123"), "{target}: {stderr}");
+        assert!(out.stdout.is_empty(), "{target}: printed a view");
+    }
+    let out = waypoint(&[
+        "envoy-config",
+        "--service",
+        "Reviews.bookinfo",
+        "--port",
+        "9080",
+        "--registry",
+        &registry,
+        "--cluster",
+        "a",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("DNS-1123"));
+
+    // The same names in lowercase resolve.
+    let out = waypoint(&[
+        "resolve",
+        "reviews.bookinfo:9080",
+        "--registry",
+        &registry,
+        "--cluster",
+        "a",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("10.1.0.5:15008"));
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// `registry list` reads a file registry too, with the keys etcd would give its records;
+/// `put` and `delete` still need etcd, and say so.
+#[test]
+fn registry_list_reads_a_file_registry() {
+    let dir = tempdir("list");
+    let registry = registry(&dir);
+    let out = waypoint(&[
+        "registry",
+        "list",
+        "--registry",
+        &registry,
+        "--output",
+        "json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let listed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let listed = listed.as_array().unwrap();
+    assert_eq!(listed.len(), 2);
+    for entry in listed {
+        let key = entry["key"].as_str().unwrap();
+        assert!(key.starts_with("/aether/v1/regions/"), "{key}");
+    }
+    let out = waypoint(&[
+        "registry",
+        "delete",
+        "--registry",
+        &registry,
+        "/aether/v1/regions/x",
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("need etcd:URL"));
+    std::fs::remove_dir_all(dir).unwrap();
+}
