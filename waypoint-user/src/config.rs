@@ -313,6 +313,31 @@ pub struct Config {
 }
 
 impl Config {
+    /// The capabilities this configuration's paths use, as Kubernetes names them (no
+    /// `CAP_`): what a deployment grants, no more.
+    ///
+    /// - The eBPF dataplane (`ebpf`, and `auto` to get it): `BPF` (maps and programs),
+    ///   `NET_ADMIN` (a networking program type and a socket map need it besides `BPF`;
+    ///   also SO_SNDBUFFORCE for `--bulk-send-buffer` and `--socket-buffer`) and
+    ///   `PERFMON` (the verdict's `bpf_probe_read_kernel` for the repeat check; without
+    ///   it the daemon warns and runs without the check).
+    /// - `--rewrite-splice` adds `NET_RAW`: it resets a spliced connection's ends from a
+    ///   raw socket (its TCP_REPAIR and TC programs are `NET_ADMIN`'s).
+    /// - `splice` and `copy` need none.
+    pub fn capabilities(&self) -> std::collections::BTreeSet<&'static str> {
+        let mut caps = std::collections::BTreeSet::new();
+        if matches!(
+            self.dataplane,
+            dataplane::Kind::Ebpf | dataplane::Kind::Auto
+        ) {
+            caps.extend(["BPF", "NET_ADMIN", "PERFMON"]);
+            if self.rewrite_splice {
+                caps.insert("NET_RAW");
+            }
+        }
+        caps
+    }
+
     /// Per-connection limits derived from the config.
     pub fn limits(&self) -> dataplane::Limits {
         dataplane::Limits {

@@ -171,13 +171,22 @@ fn daemonset_runs_privileged_enough_and_no_more() {
     assert_eq!(spec.service_account_name.as_deref(), Some("waypoint"));
 
     let c = container(&ds);
-    let sc = c.security_context.unwrap();
+    let sc = c.security_context.clone().unwrap();
     assert_eq!(sc.privileged, Some(false));
     assert_eq!(sc.allow_privilege_escalation, Some(false));
     assert_eq!(sc.read_only_root_filesystem, Some(true));
     let caps = sc.capabilities.unwrap();
     assert_eq!(caps.drop, Some(vec!["ALL".to_owned()]));
     let added: BTreeSet<String> = caps.add.unwrap().into_iter().collect();
+    // Exactly what the daemon, configured as the manifests configure it, says it uses.
+    let cm: ConfigMap = load("configmap.yaml");
+    let config = config_from_env(&environment(&c, &cm));
+    let needed: BTreeSet<String> = config
+        .capabilities()
+        .into_iter()
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(added, needed, "granted against needed");
     assert_eq!(
         added,
         BTreeSet::from([
@@ -186,6 +195,11 @@ fn daemonset_runs_privileged_enough_and_no_more() {
             "PERFMON".to_owned()
         ])
     );
+    // --rewrite-splice (not enabled in the shipped manifests) needs NET_RAW on top: an
+    // operator who turns it on must add it.
+    let mut vars = environment(&c, &cm);
+    vars.insert("WAYPOINT_REWRITE_SPLICE".into(), "true".into());
+    assert!(config_from_env(&vars).capabilities().contains("NET_RAW"));
     // No host ports: the surge pod of a rolling update must be schedulable.
     assert!(c.ports.is_none());
 }
