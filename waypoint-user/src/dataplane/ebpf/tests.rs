@@ -17,6 +17,14 @@ use crate::dataplane::{flows::Budget, queued};
 use super::sockhash::*;
 use super::*;
 
+/// A connection moved from the copy into the SockHash (`Entry::Kick`), forwarded to its
+/// end.
+async fn moved(dp: &Ebpf, down: TcpStream, up: TcpStream, limits: Limits) -> Outcome {
+    dp.splice(down, up, Vec::new(), Vec::new(), limits, Entry::Kick)
+        .await
+        .unwrap()
+}
+
 /// The eBPF dataplane with every connection in the SockHash from its first byte.
 fn kernel_from_the_first_byte() -> Ebpf {
     Ebpf::load(Config {
@@ -510,18 +518,7 @@ async fn a_long_repeat_at_the_move_is_dropped_in_userspace() {
     // What the copy read before the move.
     let (mut client, down, up, mut server, sent) = queued_and_partly_read(SENT, READ).await;
     let dp = &dp;
-    let spliced = async move {
-        dp.splice(
-            down,
-            up,
-            Vec::new(),
-            Vec::new(),
-            Limits::default(),
-            Entry::Kick,
-        )
-        .await
-        .unwrap()
-    };
+    let spliced = moved(dp, down, up, Limits::default());
     let check = async {
         let mut got = vec![0u8; SENT - READ];
         tokio::time::timeout(Duration::from_secs(5), server.read_exact(&mut got))
@@ -565,11 +562,7 @@ async fn a_long_repeat_at_the_move_strands_the_bytes_behind_it() {
         idle_timeout: Duration::from_secs(3),
         ..Limits::default()
     };
-    let spliced = async move {
-        dp.splice(down, up, Vec::new(), Vec::new(), limits, Entry::Kick)
-            .await
-            .unwrap()
-    };
+    let spliced = moved(dp, down, up, limits);
     let check = async {
         let mut got = vec![0u8; SENT - READ];
         server.read_exact(&mut got).await.unwrap();
@@ -623,18 +616,7 @@ async fn a_fin_racing_the_insertion_leaves_one_socket_in_and_loses_nothing() {
         unsafe { libc::shutdown(fd, libc::SHUT_WR) };
     });
     let dp = &dp;
-    let spliced = async move {
-        dp.splice(
-            down,
-            up,
-            Vec::new(),
-            Vec::new(),
-            Limits::default(),
-            Entry::Kick,
-        )
-        .await
-        .unwrap()
-    };
+    let spliced = moved(dp, down, up, Limits::default());
     let check = async {
         let mut got = Vec::new();
         let pod = async {
