@@ -191,6 +191,18 @@ pub const REWRITE_PROG: &str = "waypoint_rewrite";
 pub const REWRITES_MAP: &str = "REWRITES";
 /// Name of the per-CPU array of the rewrite program's statistics, by [`RewriteStat`].
 pub const REWRITE_STATS_MAP: &str = "REWRITE_STATS";
+/// Name of the hash map of the hand-overs whose client sent more than the hello before
+/// the entries were in (see docs/ARCHITECTURE.md, *Hand-over*, step 4): keyed by the
+/// pod's entry key ([`RewriteKey`] of the pod's packets to B), the sequence number, in
+/// B's space, after what B sent on the client's behalf (the hello, those bytes, a FIN).
+/// The program hands the pod's first pure ACK at or past it to B, its ack lowered to it,
+/// and removes the element: B then holds nothing to retransmit. Written by userspace
+/// once per such hand-over, removed by the program (or by userspace at the end).
+pub const REWRITE_FILLS_MAP: &str = "REWRITE_FILLS";
+/// Capacity of [`REWRITE_FILLS_MAP`]: hand-overs at once whose B waits for the pod's
+/// acknowledgement of the stranded bytes it carried (each lasts about one round trip).
+/// A hand-over that finds it full resets both ends, counted as stranded.
+pub const REWRITE_FILLS_CAPACITY: u32 = 4096;
 /// Default capacity of [`REWRITES_MAP`] (two entries per spliced connection); the
 /// daemon sets it to its socket maps' capacity at load time. Entries are allocated as
 /// they are inserted.

@@ -451,7 +451,7 @@ impl AsFd for Socket {
 
 /// Writes what `sock` takes now of `buf`, retrying interrupted writes; returns how much
 /// went (less than all when the socket would block).
-fn write_all_now(sock: &impl AsFd, buf: &[u8]) -> io::Result<usize> {
+pub(super) fn write_all_now(sock: &impl AsFd, buf: &[u8]) -> io::Result<usize> {
     let mut done = 0;
     while done < buf.len() {
         match write_now(sock, &buf[done..]) {
@@ -472,7 +472,8 @@ pub(crate) const TCP_CLOSE: u8 = 7;
 const TCP_FIN_WAIT1: u8 = 4;
 const TCP_FIN_WAIT2: u8 = 5;
 const TCP_TIME_WAIT: u8 = 6;
-const TCP_CLOSE_WAIT: u8 = 8;
+/// `TCP_CLOSE_WAIT`: the peer's FIN received.
+pub(crate) const TCP_CLOSE_WAIT: u8 = 8;
 const TCP_LAST_ACK: u8 = 9;
 const TCP_CLOSING: u8 = 11;
 

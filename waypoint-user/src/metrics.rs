@@ -183,12 +183,17 @@ impl Collector for DataplaneCollector {
                     "rewrite_connections",
                     "Connections offered to the rewrite splice (--rewrite-splice): spliced; \
                      refused_* = handed to the SockHash (not_ipv4, options, busy, setup, local); \
-                     stranded = a packet reached the waypoint's socket during the hand-over, \
-                     both ends reset",
-                    [("spliced", counts.spliced), ("stranded", counts.stranded)]
-                        .into_iter()
-                        .chain(refused)
-                        .map(|(result, n)| (ResultLabel { result }, counter(n))),
+                     filled = spliced, and the waypoint's socket carried bytes the client \
+                     sent during the hand-over; stranded = a packet reached the waypoint's \
+                     socket during the hand-over that it could not carry, both ends reset",
+                    [
+                        ("spliced", counts.spliced),
+                        ("filled", counts.filled),
+                        ("stranded", counts.stranded),
+                    ]
+                    .into_iter()
+                    .chain(refused)
+                    .map(|(result, n)| (ResultLabel { result }, counter(n))),
                 )?;
                 family(
                     &mut encoder,

@@ -536,28 +536,46 @@ async fn both_reset(
 
 /// A packet that lands in the waypoint's accepted socket during the hand-over (here: the
 /// client sends while the hand-over is held between reading the sequence numbers and
-/// inserting the entries) would leave its bytes behind: the hand-over notices and
-/// resets both ends, at sequence numbers each accepts.
+/// inserting the entries) is carried on by the waypoint's socket to the pod, right behind
+/// the hello: the pod gets every byte in order, the client's later bytes (rewritten)
+/// follow, and the pod's acknowledgement of the carried bytes reaches that socket (the
+/// fill map is empty before the linger ends). Fails with the reset the hand-over did
+/// before (`stranded`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn stranded_bytes_reset_both_ends() {
-    stranded(true).await;
+async fn bytes_landed_at_the_hand_over_reach_the_pod() {
+    landed(true, false).await;
 }
 
 /// The same, with the sequence numbers read in repair mode (sockets not marked): the
 /// check reads the receive queues' sequence numbers instead of `TCP_INFO`'s counters.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn stranded_bytes_reset_both_ends_read_in_repair_mode() {
-    stranded(false).await;
+async fn bytes_landed_at_the_hand_over_reach_the_pod_read_in_repair_mode() {
+    landed(false, false).await;
 }
 
-async fn stranded(mark: bool) {
+/// The client sends its last bytes and its FIN during the hand-over: the waypoint's
+/// socket sends both on, the pod answers and closes, and the connection's end is seen
+/// at once (not at the idle timeout), with every byte counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fin_landed_at_the_hand_over_reaches_the_pod() {
+    landed(true, true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fin_landed_at_the_hand_over_reaches_the_pod_read_in_repair_mode() {
+    landed(false, true).await;
+}
+
+async fn landed(mark: bool, fin: bool) {
+    const EARLY: &[u8] = b"sent before the server answered";
+    const LATER: &[u8] = b"sent after the answer";
     common::require_root();
     let e = Arc::new(
         ebpf::Ebpf::load(ebpf::Config {
             splice_after: 0,
             rewrite_splice: true,
             hooks: ebpf::Hooks {
-                rewrite_handover_pause: Some(Duration::from_secs(2)),
+                rewrite_handover_pause: Some(Duration::from_secs(1)),
                 ..ebpf::Hooks::default()
             },
             ..ebpf::Config::default()
@@ -577,35 +595,80 @@ async fn stranded(mark: bool) {
         let mut c = std::net::TcpStream::connect(addr).unwrap();
         let hello: Vec<u8> = (0..HELLO).map(|i| i as u8).collect();
         c.write_all(&hello).unwrap();
-        // Once the hand-over has read the sequence numbers, it is held for 2 s before it
-        // inserts the entries: what the client sends now lands in the waypoint's socket.
+        // Once the hand-over has read the sequence numbers, it is held before it inserts
+        // the entries: what the client sends now lands in the waypoint's socket.
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         while held.rewrite_counts().unwrap().0.pending == 0 {
             assert!(std::time::Instant::now() < deadline, "the hand-over starts");
             std::thread::sleep(Duration::from_millis(1));
         }
-        c.write_all(b"too early").unwrap();
-        c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-        let mut buf = [0u8; 4096];
-        loop {
-            match c.read(&mut buf) {
-                Ok(0) => return None,
-                Ok(_) => {}
-                Err(e) => return Some(e.kind()),
-            }
+        c.write_all(EARLY).unwrap();
+        if fin {
+            c.shutdown(std::net::Shutdown::Write).unwrap();
         }
+        c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut answer = [0u8; 1];
+        c.read_exact(&mut answer).unwrap();
+        assert_eq!(answer[0], ANSWER);
+        if !fin {
+            c.write_all(LATER).unwrap();
+            c.shutdown(std::net::Shutdown::Write).unwrap();
+        }
+        let mut rest = Vec::new();
+        c.read_to_end(&mut rest).unwrap();
+        rest
     });
     let mut s = server(&back).await;
-    both_reset(&mut s, c).await;
-    let outcome = common::next_outcome(&mut proxy, Duration::from_secs(10)).await;
-    assert_eq!(outcome.end, End::Error(std::io::ErrorKind::InvalidData));
+    let mut got = Vec::new();
+    tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut got))
+        .await
+        .expect("the pod gets the client's FIN")
+        .unwrap();
+    let mut want = EARLY.to_vec();
+    if !fin {
+        want.extend_from_slice(LATER);
+    }
+    assert_eq!(got, want, "every byte, in order, then the FIN");
+    s.write_all(b"bye").await.unwrap();
+    drop(s);
+    assert_eq!(c.await.unwrap(), b"bye");
+    let outcome = common::next_outcome(&mut proxy, Duration::from_secs(5)).await;
+    assert_eq!(outcome.end, End::Closed);
+    assert_eq!(
+        (
+            outcome.downstream_to_upstream,
+            outcome.upstream_to_downstream
+        ),
+        ((HELLO + want.len()) as u64, 4),
+        "each byte counted once"
+    );
+    // Before the linger ends (which takes the fill out too), the pod's pure ACK of the
+    // carried bytes reached B: it acknowledges them at once, since the client sends on.
+    // (A FIN is acknowledged late: `tcp_fin` enters the delayed-ACK mode, and this pod
+    // answers and closes within that time; its ACK rides on its answer, to the client.)
+    if !fin {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+        while e.rewrite_fills() != 0 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the pod's ACK of the carried bytes reached B"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
     let (counts, _) = e.rewrite_counts().unwrap();
     assert_eq!(
-        (counts.spliced, counts.stranded, counts.live, counts.pending),
+        (
+            counts.spliced,
+            counts.filled,
+            counts.stranded,
+            counts.pending
+        ),
         (1, 1, 0, 0)
     );
     assert_eq!(counts.recorded, u64::from(mark));
-    assert_eq!(e.rewrite_entries(), 0);
+    assert_eq!(after_linger(&e).await, (0, 0));
+    assert_eq!(e.rewrite_fills(), 0, "the fill goes with the entries");
 }
 
 /// A spliced connection idle for the idle timeout is ended by the daemon: both ends get

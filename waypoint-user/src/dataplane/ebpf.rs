@@ -41,9 +41,9 @@ use futures::future::Either;
 use tracing::{debug, info, warn};
 use waypoint_common::{
     Rewrite, RewriteKey, RewriteStat, Stat, ENDS_MAP, FLOWS_MAP, PEERS_MAP, POD_PORT, REWRITES_MAP,
-    REWRITE_PORTS_MAP, REWRITE_PROG, REWRITE_STATS_MAP, SIGNALS_MAP, SKB_SEQ_OFFSET, SKB_SK_OFFSET,
-    SLOTS_MAP, SOCK_OPS_SK_OFFSET, STATS_MAP, TCP_COPIED_SEQ_OFFSET, TCP_TSOFFSET_OFFSET,
-    VERDICT_PROG,
+    REWRITE_FILLS_MAP, REWRITE_PORTS_MAP, REWRITE_PROG, REWRITE_STATS_MAP, SIGNALS_MAP,
+    SKB_SEQ_OFFSET, SKB_SK_OFFSET, SLOTS_MAP, SOCK_OPS_SK_OFFSET, STATS_MAP, TCP_COPIED_SEQ_OFFSET,
+    TCP_TSOFFSET_OFFSET, VERDICT_PROG,
 };
 
 use super::bpf_cmd::per_cpu_total;
@@ -440,6 +440,9 @@ impl Ebpf {
             let rstats: PerCpuArray<MapData, u64> = aya::maps::Map::PerCpuArray(rstats)
                 .try_into()
                 .map_err(|e| map_error(REWRITE_STATS_MAP, e))?;
+            let fills: HashMap<MapData, RewriteKey, u32> = take(&mut loaded, REWRITE_FILLS_MAP)?
+                .try_into()
+                .map_err(|e| map_error(REWRITE_FILLS_MAP, e))?;
             let prog: &mut SchedClassifier = loaded
                 .program_mut(REWRITE_PROG)
                 .ok_or_else(|| map_error("program", "rewrite classifier missing from the object"))?
@@ -460,7 +463,13 @@ impl Ebpf {
             let ends: RingBuf<MapData> = take(&mut loaded, ENDS_MAP)?
                 .try_into()
                 .map_err(|e| map_error(ENDS_MAP, e))?;
-            Some((map, ports, rstats, ends, records))
+            let maps = rewrite::Maps {
+                rewrites: map,
+                ports,
+                stats: rstats,
+                fills,
+            };
+            Some((maps, ends, records))
         } else {
             None
         };
@@ -472,18 +481,14 @@ impl Ebpf {
             None => None,
         };
         let (rewrite, ends) = match rewrite {
-            Some((map, ports, rstats, ends, records)) => {
-                (Some((map, ports, rstats, records)), Some(ends))
-            }
+            Some((maps, ends, records)) => (Some((maps, records)), Some(ends)),
             None => (None, None),
         };
         let signals = Signals::start(ring, ends, signal_stats)?;
         let rewrite = match rewrite {
-            Some((map, ports, rstats, records)) => {
+            Some((maps, records)) => {
                 let rewriter = Arc::new(Rewriter::new(
-                    map,
-                    ports,
-                    rstats,
+                    maps,
                     signals.clone(),
                     #[cfg(any(test, feature = "test-hooks"))]
                     config.hooks.rewrite_handover_pause,
@@ -586,6 +591,12 @@ impl Ebpf {
     /// Entries in the rewrite map (walks it: tests and diagnostics); 0 without it.
     pub fn rewrite_entries(&self) -> usize {
         self.rewrite.as_deref().map_or(0, Rewriter::entries)
+    }
+
+    /// Elements in the rewrite program's fill map (walks it: tests and diagnostics): hand-
+    /// overs whose B still waits for the pod to acknowledge what it carried for the client.
+    pub fn rewrite_fills(&self) -> usize {
+        self.rewrite.as_deref().map_or(0, Rewriter::fills)
     }
 
     /// The rewrite splice, for its own tests.

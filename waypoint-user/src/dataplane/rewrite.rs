@@ -17,12 +17,11 @@
 //! 3. A packet that passed the program before the entries were in may still be on its
 //!    way into A or B. One RCU grace period (`membarrier(MEMBARRIER_CMD_GLOBAL)`, shared
 //!    by every hand-over waiting at the time, [`Grace`]) later, every such packet has
-//!    landed. If one did (A's or B's `rcv_nxt` moved), its bytes would be lost between
-//!    the two conversations: the splice is undone and both ends are reset ("stranded").
-//!    A TLS client sends nothing between its ClientHello and the server's answer, so
-//!    this takes a client that does not wait, or a pod whose packets arrive through an
-//!    interface that appeared after the daemon started (no program there): its answer
-//!    lands in B, and the connection is reset instead of hanging.
+//!    landed. Bytes that landed in A (a client that sent on behind its hello) are sent on
+//!    by B, right behind the hello, where the client's entry put them in the pod's number
+//!    space ([`Rewriter::fill`]). Anything else that landed (in B: a pod whose packets
+//!    arrive through an interface without the program) would be lost between the two
+//!    conversations: the splice is undone and both ends are reset ("stranded").
 //! 4. A is closed silently (repair mode sends neither FIN nor RST). B stays open,
 //!    holding its 4-tuple, so that no other connection to the pod gets the same one.
 //!
@@ -59,7 +58,7 @@ use waypoint_common::{
 use super::bpf_cmd::{self, per_cpu_total};
 use super::established::Records;
 use super::signals::Signals;
-use super::{End, Socket};
+use super::{End, Socket, TCP_CLOSE_WAIT, TCP_ESTABLISHED};
 
 /// How long the entries of an ended connection stay: the last ACK, or a retransmitted
 /// FIN, must still be rewritten (an RTO is 200 ms at least, doubling).
@@ -154,8 +153,12 @@ pub struct Counts {
     pub spliced: u64,
     /// Connections refused, by [`Refusal::ALL`] order.
     pub refused: [u64; Refusal::ALL.len()],
-    /// Connections undone at the hand-over because a packet landed in A or B (step 3).
+    /// Connections undone at the hand-over because a packet landed in A or B (step 4) that
+    /// B could not carry on the client's behalf: both ends reset.
     pub stranded: u64,
+    /// Hand-overs whose client sent on before the entries were in: B carried the bytes
+    /// that landed in A (and a FIN), and the connection went on spliced (step 4).
+    pub filled: u64,
     /// Spliced connections whose entries are in the map: open, or ended and lingering.
     pub live: u64,
     /// Hand-overs under way: from reading the sequence numbers to the grace check.
@@ -165,9 +168,23 @@ pub struct Counts {
     pub recorded: u64,
 }
 
+/// The rewrite program's maps, as the loader hands them over.
+pub(super) struct Maps {
+    /// `REWRITES_MAP`.
+    pub rewrites: HashMap<MapData, RewriteKey, Rewrite>,
+    /// `REWRITE_PORTS_MAP`.
+    pub ports: Array<MapData, u8>,
+    /// `REWRITE_STATS_MAP`.
+    pub stats: PerCpuArray<MapData, u64>,
+    /// `REWRITE_FILLS_MAP`.
+    pub fills: HashMap<MapData, RewriteKey, u32>,
+}
+
 /// The rewrite splice: the program's map and statistics, attached by [`super::ebpf`].
 pub(super) struct Rewriter {
     map: Mutex<HashMap<MapData, RewriteKey, Rewrite>>,
+    /// `REWRITE_FILLS_MAP`: see [`Rewriter::fill`].
+    fills: Mutex<HashMap<MapData, RewriteKey, u32>>,
     /// The SockHash splice's signals, which the program shares (slots from
     /// [`REWRITE_SLOT_BASE`]).
     signals: Arc<Signals>,
@@ -177,6 +194,7 @@ pub(super) struct Rewriter {
     spliced: AtomicU64,
     refused: [AtomicU64; Refusal::ALL.len()],
     stranded: AtomicU64,
+    filled: AtomicU64,
     live: AtomicU64,
     pending: AtomicU64,
     /// See `ebpf::Config::rewrite_handover_pause`.
@@ -249,26 +267,64 @@ enum Probe {
     Received { a: u64, b: u64 },
 }
 
+/// What landed in A or B during the hand-over ([`Probe::landed`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Landed {
+    Nothing,
+    /// In A only: this much sequence space (data, and a FIN).
+    Client(u32),
+    /// In B, or the sockets could not be read.
+    Other,
+}
+
 impl Probe {
-    /// Whether A or B received anything since; true also when that cannot be read.
-    fn moved(self, downstream: &Socket, upstream: &Socket) -> bool {
-        match self {
+    /// What A and B received since the probe was taken.
+    fn landed(self, downstream: &Socket, upstream: &Socket) -> Landed {
+        let (a, b) = match self {
             Probe::Queues { a_rcv, b_rcv } => {
                 match (
                     selected_seq(downstream.as_raw_fd()),
                     selected_seq(upstream.as_raw_fd()),
                 ) {
-                    (Ok(a), Ok(b)) => a != a_rcv || b != b_rcv,
-                    _ => true,
+                    (Ok(a), Ok(b)) => (a.wrapping_sub(a_rcv), b != b_rcv),
+                    _ => return Landed::Other,
                 }
             }
             Probe::Received { a, b } => match (info(downstream), info(upstream)) {
-                (Ok(x), Ok(y)) => x.bytes_received != a || y.bytes_received != b,
-                _ => true,
+                (Ok(x), Ok(y)) => (
+                    x.bytes_received.wrapping_sub(a) as u32,
+                    y.bytes_received != b,
+                ),
+                _ => return Landed::Other,
             },
+        };
+        match (a, b) {
+            (0, false) => Landed::Nothing,
+            (k, false) => Landed::Client(k),
+            (_, true) => Landed::Other,
         }
     }
 }
+
+/// What B sent on the client's behalf at the hand-over ([`Rewriter::fill`]).
+#[derive(Clone, Copy, Default)]
+struct Fill {
+    /// Data bytes (at most [`MAX_FILL`]).
+    data: u32,
+    /// And the client's FIN.
+    fin: bool,
+    /// The program's fill map got an element.
+    filled: bool,
+}
+
+/// The most sequence space B carries for the client at a hand-over ([`Rewriter::fill`]);
+/// more cannot have landed in A in the moment before the entries went in (a segment,
+/// or a GSO packet of up to 64 KiB, or a few), and is reset instead.
+const MAX_FILL: usize = 4 << 20;
+
+/// Room left in B's send buffer beside what it carries for the client: the hello, which
+/// may still be unacknowledged, and the kernel's overhead per buffer.
+const FILL_HEADROOM: usize = 256 << 10;
 
 /// One direction's key and value, and the other's.
 #[derive(Clone, Copy)]
@@ -279,16 +335,21 @@ struct Entries {
 
 impl Rewriter {
     pub fn new(
-        map: HashMap<MapData, RewriteKey, Rewrite>,
-        ports: Array<MapData, u8>,
-        stats: PerCpuArray<MapData, u64>,
+        maps: Maps,
         signals: Arc<Signals>,
         pause: Option<Duration>,
         records: Option<Records>,
         pod_port: Option<u16>,
     ) -> Self {
+        let Maps {
+            rewrites,
+            ports,
+            stats,
+            fills,
+        } = maps;
         Rewriter {
-            map: Mutex::new(map),
+            map: Mutex::new(rewrites),
+            fills: Mutex::new(fills),
             signals,
             stats,
             grace: Grace::start(),
@@ -296,6 +357,7 @@ impl Rewriter {
             spliced: AtomicU64::new(0),
             refused: Default::default(),
             stranded: AtomicU64::new(0),
+            filled: AtomicU64::new(0),
             live: AtomicU64::new(0),
             pending: AtomicU64::new(0),
             pause,
@@ -347,6 +409,9 @@ impl Rewriter {
             keys.push(l.entries.from_pod);
         }
         self.delete(&keys);
+        for l in due.iter().filter(|l| l.filled) {
+            self.forget_fill(&l.entries);
+        }
         self.live.fetch_sub(due.len() as u64, Relaxed);
         // Each B closes silently as it drops.
         drop(due);
@@ -377,6 +442,7 @@ impl Rewriter {
             spliced: self.spliced.load(Relaxed),
             refused: std::array::from_fn(|i| self.refused[i].load(Relaxed)),
             stranded: self.stranded.load(Relaxed),
+            filled: self.filled.load(Relaxed),
             live: self.live.load(Relaxed),
             pending: self.pending.load(Relaxed),
             recorded: self.recorded.load(Relaxed),
@@ -394,6 +460,11 @@ impl Rewriter {
     /// Entries in the map (walks it: diagnostics and tests only).
     pub fn entries(&self) -> usize {
         lock(&self.map).keys().count()
+    }
+
+    /// Elements in the fill map (walks it: diagnostics and tests only).
+    pub fn fills(&self) -> usize {
+        lock(&self.fills).keys().count()
     }
 
     fn refuse(
@@ -451,19 +522,34 @@ impl Rewriter {
         let sent = upstream.write_all_soon(&initial).await;
         let initial_len = initial.len() as u64;
         drop(initial);
-        // Step 3: after a grace period, nothing that passed the program before the
+        // Step 4: after a grace period, nothing that passed the program before the
         // entries were in is still on its way to A or B.
         self.grace.wait().await;
-        let stranded = sent.is_err() || probe.moved(&downstream, &upstream);
+        let landed = match sent {
+            Ok(()) => probe.landed(&downstream, &upstream),
+            Err(_) => Landed::Other,
+        };
+        let fill = match landed {
+            Landed::Nothing => Some(Fill::default()),
+            Landed::Client(k) => {
+                let fill = self.fill(&downstream, &upstream, k, &entries, slot, hello_end);
+                if fill.is_some() {
+                    self.filled.fetch_add(1, Relaxed);
+                }
+                fill
+            }
+            Landed::Other => None,
+        };
         self.pending.fetch_sub(1, Relaxed);
         undo.pending = false;
         undo.armed = false;
-        if stranded {
+        let Some(fill) = fill else {
             self.stranded.fetch_add(1, Relaxed);
             warn!(
                 client = %addrs.client,
-                "a packet reached the waypoint's socket during the rewrite hand-over (a client \
-                 that sent before the server answered): both ends reset"
+                "a packet reached the waypoint's socket during the rewrite hand-over that the \
+                 waypoint could not pass on (a pod that spoke first, an interface without the \
+                 program, a reset, or bytes out of order): both ends reset"
             );
             self.signals.unregister(slot);
             // The pod holds everything up to the hello and waits for the stranded bytes.
@@ -479,7 +565,7 @@ impl Rewriter {
                 )),
                 Err(e) => Err(e),
             });
-        }
+        };
         // Silent: A is in repair mode.
         drop(downstream);
         // B only holds its 4-tuple now, out of the reactor (the diverted ACK would wake
@@ -491,6 +577,9 @@ impl Rewriter {
                 // in the spliced conversation.
                 self.signals.unregister(slot);
                 self.abort(&addrs, &entries, slot, None);
+                if fill.filled {
+                    self.forget_fill(&entries);
+                }
                 return Ok(Err(e));
             }
         };
@@ -499,7 +588,10 @@ impl Rewriter {
             slot,
             upstream,
             initial_len,
+            carried: fill.data,
             start,
+            filled: fill.filled,
+            look: fill.fin,
         }))
     }
 
@@ -674,6 +766,124 @@ impl Rewriter {
             hello_end,
             probe,
         })
+    }
+
+    /// Step 4 for bytes that landed in A (`landed`: their sequence space, a FIN
+    /// included): B sends them on, right behind the hello, where the client's entry put
+    /// them in the pod's number space (it maps A's `rcv_nxt` as read at step 2 to the
+    /// hello's end). The client's later packets went to the pod directly meanwhile and
+    /// wait there behind the gap B fills. A acknowledged these bytes to the client, so
+    /// nobody else ever would send them. Every acknowledgement of them goes to the
+    /// client, so B would resend them for ever: the program hands B the pod's first pure
+    /// ACK that covers them (`REWRITE_FILLS_MAP`). A FIN among them is B's to send too,
+    /// and the client's entry is marked as having sent it, so that the program sees the
+    /// connection end at the pod's FIN.
+    ///
+    /// None if B cannot carry them (A holds other than `landed` bytes in order, a map
+    /// update or the write failed, or B's send buffer would not take them at once): the
+    /// hand-over then resets both ends.
+    fn fill(
+        &self,
+        downstream: &Socket,
+        upstream: &Socket,
+        landed: u32,
+        entries: &Entries,
+        slot: u32,
+        hello_end: u32,
+    ) -> Option<Fill> {
+        let a = downstream.as_raw_fd();
+        let landed_len = landed as usize;
+        if landed_len > MAX_FILL {
+            debug!(landed, "rewrite hand-over: more landed in A than B carries");
+            return None;
+        }
+        let state = info(downstream).ok()?.state;
+        let mut bytes = vec![0u8; landed_len];
+        // A is in repair mode, where only its selected queue can be peeked at.
+        let peeked = set_repair(a, 1)
+            .and_then(|()| setsockopt_int(a, TCP_REPAIR_QUEUE, TCP_RECV_QUEUE))
+            .and_then(|()| peek(a, &mut bytes));
+        let (data, fin) = match peeked {
+            Ok(n) if n == landed_len && state == TCP_ESTABLISHED => (n, false),
+            Ok(n) if n + 1 == landed_len && state == TCP_CLOSE_WAIT => (n, true),
+            other => {
+                debug!(landed, state, peeked = ?other, "rewrite hand-over: A's queue is not what landed");
+                return None;
+            }
+        };
+        bytes.truncate(data);
+        if let Err(e) =
+            lock(&self.fills).insert(entries.from_pod, hello_end.wrapping_add(landed), 0)
+        {
+            debug!(error = %e, "rewrite hand-over: the fill map refused");
+            return None;
+        }
+        if fin && !self.mark_client_fin(entries, slot) {
+            self.forget_fill(entries);
+            return None;
+        }
+        // B must take them at once: nothing would make room later (every ACK but the
+        // fill's goes to the client), so waiting for room would wait for ever.
+        let room = socket2::SockRef::from(upstream)
+            .send_buffer_size()
+            .unwrap_or(0);
+        if room < 2 * data + FILL_HEADROOM {
+            // SO_SNDBUFFORCE takes half: the kernel doubles it. (B's send buffer stays
+            // that size; it sends nothing after this.)
+            let _ = nix::sys::socket::setsockopt(
+                upstream,
+                nix::sys::socket::sockopt::SndBufForce,
+                &(data + FILL_HEADROOM),
+            );
+        }
+        let sent = match super::write_all_now(upstream, &bytes) {
+            Ok(n) if n == data => {
+                if fin {
+                    super::shutdown_write(upstream)
+                } else {
+                    Ok(())
+                }
+            }
+            Ok(n) => Err(io::Error::new(
+                io::ErrorKind::WouldBlock,
+                format!("B's send buffer took {n} of {data} bytes"),
+            )),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = sent {
+            debug!(error = %e, "rewrite hand-over: B could not carry what landed in A");
+            self.forget_fill(entries);
+            return None;
+        }
+        Some(Fill {
+            data: data as u32,
+            fin,
+            filled: true,
+        })
+    }
+
+    /// Marks the client's entry as having sent its FIN, which B sends on its behalf
+    /// ([`Rewriter::fill`]). Userspace replaces the entry whole: a packet of the client
+    /// rewritten meanwhile (only ACKs follow its FIN) may have its count or the learnt
+    /// timestamp offset overwritten, which the next packet learns again. False if the
+    /// entry is gone or no longer `slot`'s.
+    fn mark_client_fin(&self, entries: &Entries, slot: u32) -> bool {
+        let mut map = lock(&self.map);
+        let Ok(mut c) = map.get(&entries.from_client, 0) else {
+            return false;
+        };
+        if c.slot != slot {
+            return false;
+        }
+        c.flags |= REWRITE_FIN;
+        // BPF_EXIST: only if it is still there.
+        map.insert(entries.from_client, c, 2).is_ok()
+    }
+
+    /// Takes out the fill of a connection that had one ([`Rewriter::fill`]), if the
+    /// program has not already: B's 4-tuple may serve another connection later.
+    fn forget_fill(&self, entries: &Entries) {
+        let _ = lock(&self.fills).remove(&entries.from_pod);
     }
 
     fn get(&self, key: &RewriteKey) -> Option<Rewrite> {
@@ -887,6 +1097,7 @@ mod tests {
                 entries,
                 slot: i,
                 upstream: OwnedFd::from(b),
+                filled: false,
             });
         }
         r.sweep(now + Duration::from_millis(1));

@@ -27,8 +27,18 @@ pub(in crate::dataplane) struct Handed {
     pub(super) upstream: OwnedFd,
     /// The hello's length and what was read behind it: the daemon sent them itself.
     pub(super) initial_len: u64,
+    /// Bytes B carried for the client at the hand-over (see `Rewriter::fill`). The
+    /// client's entry counts them too once the client sends more (its count runs from
+    /// the end of the hello), not otherwise.
+    pub(super) carried: u32,
     /// When the hand-over started, for the lifetime.
     pub(super) start: Instant,
+    /// B carried bytes that landed in A, and the fill map may hold an element for them
+    /// (see `Rewriter::fill`).
+    pub(super) filled: bool,
+    /// B sent the client's FIN: the program may have missed the end (the pod's FIN came
+    /// before the client's entry said FIN), so the first poll looks at the entries.
+    pub(super) look: bool,
 }
 
 pin_project_lite::pin_project! {
@@ -55,6 +65,10 @@ pub(super) struct Conn {
     /// B; None once handed to the linger ([`Lingering`]).
     pub(super) upstream: Option<OwnedFd>,
     pub(super) initial_len: u64,
+    /// See [`Handed::carried`].
+    pub(super) carried: u32,
+    /// See [`Handed::filled`].
+    pub(super) filled: bool,
     pub(super) idle_timeout: Duration,
     /// When the lifetime ends, if it does.
     pub(super) lifetime_end: Option<Instant>,
@@ -71,6 +85,8 @@ pub(super) enum Phase {
         seen: u64,
         /// Registered for the slot's signals.
         registered: bool,
+        /// Look at the entries at the next poll, signal or not.
+        look: bool,
     },
     /// The outcome returned; the entries gone, or lingering ([`Rewriter::sweep`]).
     Done,
@@ -84,7 +100,10 @@ impl Spliced {
             slot,
             upstream,
             initial_len,
+            carried,
             start,
+            filled,
+            look,
         } = handed;
         let conn = Conn {
             rewriter,
@@ -92,6 +111,8 @@ impl Spliced {
             slot,
             upstream: Some(upstream),
             initial_len,
+            carried,
+            filled,
             idle_timeout: limits.idle_timeout,
             lifetime_end: limits.max_lifetime.map(|l| start + l),
             // Registered by the hand-over, before the entries went in; no packet was
@@ -99,6 +120,7 @@ impl Spliced {
             phase: Phase::Live {
                 seen: 0,
                 registered: true,
+                look,
             },
         };
         Spliced {
@@ -137,6 +159,7 @@ impl Conn {
                 entries: self.addrs.entries(),
                 slot: self.slot,
                 upstream,
+                filled: self.filled,
             });
         }
         self.done(end, bytes)
@@ -148,6 +171,9 @@ impl Conn {
         self.unregister();
         let entries = self.addrs.entries();
         let bytes = self.rewriter.abort(&self.addrs, &entries, self.slot, None);
+        if self.filled {
+            self.rewriter.forget_fill(&entries);
+        }
         // B closes (silently) when the task drops.
         self.done(end, bytes)
     }
@@ -155,7 +181,7 @@ impl Conn {
     pub(super) fn done(&mut self, end: End, (d2u, u2d): (u64, u64)) -> Outcome {
         self.phase = Phase::Done;
         Outcome {
-            downstream_to_upstream: self.initial_len + d2u,
+            downstream_to_upstream: self.initial_len + d2u.max(u64::from(self.carried)),
             upstream_to_downstream: u2d,
             end,
         }
@@ -169,10 +195,14 @@ impl Future for Spliced {
         let mut this = self.project();
         let c = this.conn;
         loop {
-            let (seen, registered) = match c.phase {
+            let (seen, registered, look) = match c.phase {
                 // Polled after its end: nothing more to say.
                 Phase::Done => return Poll::Pending,
-                Phase::Live { seen, registered } => (seen, registered),
+                Phase::Live {
+                    seen,
+                    registered,
+                    look,
+                } => (seen, registered, look),
             };
             let rearm = c.rewriter.signals.rearm(c.slot, cx.waker());
             if let Rearm::Ended(e) = rearm {
@@ -184,10 +214,11 @@ impl Future for Spliced {
             }
             // Still registered since the last look: no signal came, and the entries
             // need no look (two system calls) unless the timer fired.
-            let quiet = rearm == Rearm::Quiet && registered;
+            let quiet = rearm == Rearm::Quiet && registered && !look;
             c.phase = Phase::Live {
                 seen,
                 registered: true,
+                look: false,
             };
             let timer = this.timer.as_mut().poll(cx).is_ready();
             if quiet && !timer {
@@ -212,6 +243,7 @@ impl Future for Spliced {
             c.phase = Phase::Live {
                 seen: state.packets,
                 registered: true,
+                look: false,
             };
             this.timer.as_mut().reset(c.deadline(now).into());
         }
@@ -237,8 +269,11 @@ impl Drop for Conn {
         if let Phase::Live { .. } = self.phase {
             self.unregister();
             debug!(client = %self.addrs.client, "spliced connection ended by the daemon: both ends reset");
-            self.rewriter
-                .abort(&self.addrs, &self.addrs.entries(), self.slot, None);
+            let entries = self.addrs.entries();
+            self.rewriter.abort(&self.addrs, &entries, self.slot, None);
+            if self.filled {
+                self.rewriter.forget_fill(&entries);
+            }
         }
         // Silent: the pod learnt of the end from the client, or from its reset.
         if let Some(b) = &self.upstream {
@@ -254,6 +289,8 @@ pub(super) struct Lingering {
     pub(super) entries: Entries,
     pub(super) slot: u32,
     pub(super) upstream: OwnedFd,
+    /// See [`Handed::filled`].
+    pub(super) filled: bool,
 }
 
 impl Drop for Lingering {

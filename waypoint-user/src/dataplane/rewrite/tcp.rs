@@ -234,6 +234,30 @@ pub(super) fn queue_seq(fd: RawFd, queue: libc::c_int) -> io::Result<u32> {
     getsockopt_u32(fd, TCP_QUEUE_SEQ)
 }
 
+/// Copies what `fd`'s receive queue holds into `buf` without taking it out (`MSG_PEEK`;
+/// the only read repair mode allows, from the queue selected with `TCP_REPAIR_QUEUE`).
+/// Returns how many bytes it copied: 0 at a FIN or with nothing queued.
+pub(super) fn peek(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {
+    // SAFETY: `buf` is valid for writes of its length for the call.
+    let n = unsafe {
+        libc::recv(
+            fd,
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    if n < 0 {
+        let e = io::Error::last_os_error();
+        return if e.kind() == io::ErrorKind::WouldBlock {
+            Ok(0)
+        } else {
+            Err(e)
+        };
+    }
+    Ok(n as usize)
+}
+
 /// The socket's TSval clock as an offset from CLOCK_MONOTONIC in milliseconds, the
 /// clock the program reads.
 pub(in crate::dataplane) fn ts_clock(fd: RawFd) -> io::Result<u32> {
@@ -276,6 +300,8 @@ pub(super) struct Info {
     pub(super) bytes_acked: u64,
     /// Bytes written and not yet sent.
     pub(super) notsent: u32,
+    /// `tcpi_state`.
+    pub(super) state: u8,
 }
 
 impl Info {
@@ -301,6 +327,7 @@ pub(super) fn info(sock: &impl AsFd) -> io::Result<Info> {
         bytes_received: i.tcpi_bytes_received,
         bytes_acked: i.tcpi_bytes_acked,
         notsent: i.tcpi_notsent_bytes,
+        state: i.tcpi_state,
         options: i.tcpi_options,
         // The two 4-bit fields: the send shift in the low nibble.
         snd_wscale: i.tcpi_snd_rcv_wscale & 0xf,
