@@ -100,13 +100,35 @@ async fn recv_pattern(mut r: impl AsyncRead + Unpin, seed: u64) -> u64 {
 
 /// Both directions stream at once, in writes of odd sizes, across the move: every byte
 /// arrives in order, the connection was moved (not a fallback), and the kernel carried
-/// part of it.
+/// part of it. A sender that outruns the move's drain (more than 1 MiB queued while the
+/// worker was off the CPU, on a loaded machine) makes the connection fall back to the
+/// copy, intact: that attempt counts only for its bytes, and the next one must move.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn move_while_both_directions_stream() {
-    const LEN: u64 = 32 << 20;
+    const ATTEMPTS: u32 = 3;
     let dp = dataplane(THRESHOLD);
     let e = ebpf(&dp);
-    let (mut proxy, client, server) = connected(&dp, Limits::default()).await;
+    for attempt in 1..=ATTEMPTS {
+        let (handovers, fallbacks, kernel) = (e.handovers(), e.fallbacks(), redirected(e));
+        stream_both_ways_intact(&dp).await;
+        let moved = e.handovers() - handovers;
+        let fell_back = e.fallbacks() - fallbacks;
+        assert_eq!(moved + fell_back, 1, "moved or fell back, once");
+        if moved == 1 {
+            assert_eq!(fell_back, 0);
+            assert!(redirected(e) > kernel, "the kernel path was not used");
+            return;
+        }
+        eprintln!("attempt {attempt}: the move fell back to the copy (loaded machine?)");
+    }
+    panic!("{ATTEMPTS} connections in a row fell back instead of moving");
+}
+
+/// One connection of [`move_while_both_directions_stream`]: 32 MiB each way at once,
+/// every byte checked, a clean close with every byte counted.
+async fn stream_both_ways_intact(dp: &Arc<Dataplane>) {
+    const LEN: u64 = 32 << 20;
+    let (mut proxy, client, server) = connected(dp, Limits::default()).await;
     let (cr, cw) = client.into_split();
     let (sr, sw) = server.into_split();
     let run = async {
@@ -120,13 +142,10 @@ async fn move_while_both_directions_stream() {
     let ((), up, (), down) = tokio::time::timeout(WITHIN, run).await.expect("no stall");
     assert_eq!((up, down), (LEN, LEN));
     let outcome = common::next_outcome(&mut proxy, WITHIN).await;
-    eprintln!("{outcome:?}; verdict stats {:?}", e.stats());
+    eprintln!("{outcome:?}; verdict stats {:?}", ebpf(dp).stats());
     assert_eq!(outcome.end, End::Closed);
     assert_eq!(outcome.downstream_to_upstream, HELLO as u64 + LEN);
     assert_eq!(outcome.upstream_to_downstream, LEN);
-    assert_eq!(e.handovers(), 1, "moved into the kernel");
-    assert_eq!(e.fallbacks(), 0);
-    assert!(redirected(e) > 0, "the kernel path was not used");
 }
 
 /// Request/response: 64-byte pings, each echoed. The move happens mid-conversation, and

@@ -104,15 +104,25 @@ async fn request_response_does_not_wake_the_proxy_thread() {
     }
 
     let (wakes_before, redirected_before) = (wakeups(tid), redirected(&dp));
+    let started = std::time::Instant::now();
     for i in 0..ROUNDS {
         round(&mut client, i).await;
     }
-    let (wakes, forwarded) = (
+    let took = started.elapsed();
+    let (busy_wakes, forwarded) = (
         wakeups(tid) - wakes_before,
         redirected(&dp) - redirected_before,
     );
+    // The thread's own timers wake it as often with no traffic at all, and a machine
+    // under load stretches the round trips over more of them: the same time again,
+    // idle, is the baseline.
+    let idle_before = wakeups(tid);
+    tokio::time::sleep(took).await;
+    let idle_wakes = wakeups(tid) - idle_before;
+    let wakes = busy_wakes.saturating_sub(idle_wakes);
     println!(
-        "{ROUNDS} round trips: proxy thread woke {wakes} times, {forwarded} segments redirected"
+        "{ROUNDS} round trips in {took:?}: proxy thread woke {busy_wakes} times ({idle_wakes} \
+         in as long idle), {forwarded} segments redirected"
     );
 
     // What the test measures: every message went through the kernel.
@@ -120,8 +130,8 @@ async fn request_response_does_not_wake_the_proxy_thread() {
         forwarded >= 2 * ROUNDS,
         "the verdict redirected {forwarded} segments for {ROUNDS} round trips"
     );
-    // Before the fix (9f8ca80) this thread woke 3,816 times here, 1.9 per round trip;
-    // after it, 0. A few are allowed: the thread's own timers.
+    // Woken per segment, this thread wakes about twice per round trip (3,816 times
+    // here); kept out of the reactor, not at all beyond its timers.
     assert!(
         wakes < ROUNDS / 20,
         "the proxy thread woke {wakes} times over {ROUNDS} round trips the kernel forwarded"
