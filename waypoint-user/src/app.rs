@@ -107,6 +107,7 @@ impl App {
         {
             anyhow::bail!("--local-endpoints registers pods in etcd: it needs --registry etcd:URL");
         }
+        check_node_ip(&config)?;
         if config.kubernetes && !matches!(config.registry, Some(registry::Location::Etcd(_))) {
             anyhow::bail!("--kubernetes registers pods in etcd: it needs --registry etcd:URL");
         }
@@ -267,6 +268,28 @@ impl Drop for App {
 }
 
 /// Runs the daemon until SIGTERM or SIGINT, then drains.
+/// The node IP this node registers (what other clusters dial) must be one the tunnel
+/// serves: refused at start when it is an address of this host and the tunnel listens on
+/// another one. An address that is not this host's (a NAT in front of the node) is
+/// taken as given.
+fn check_node_ip(config: &Config) -> anyhow::Result<()> {
+    let (Some(node_ip), listen) = (config.node_ip, config.tunnel_addr.ip()) else {
+        return Ok(());
+    };
+    if listen.is_unspecified() || listen == node_ip {
+        return Ok(());
+    }
+    // Binding succeeds only on an address of this host.
+    if std::net::TcpListener::bind((node_ip, 0)).is_ok() {
+        anyhow::bail!(
+            "--node-ip {node_ip} is what other clusters dial, but the tunnel listens on {listen} \
+             (--tunnel-addr): give both the same address, or listen on every address \
+             (0.0.0.0 or [::])"
+        );
+    }
+    Ok(())
+}
+
 pub async fn run(config: Config) -> anyhow::Result<()> {
     let app = App::start(config).await?;
     wait_for_signal().await?;

@@ -123,7 +123,8 @@ pub struct Config {
     /// This node's IP as other clusters reach it: registered with this node's endpoints
     /// so that sources elsewhere can dial them through this waypoint. With --kubernetes it
     /// overrides the Node's InternalIP (which is used when this is unset). Without either,
-    /// other clusters leave this node's endpoints out.
+    /// other clusters leave this node's endpoints out. Refused at start if it is an address
+    /// of this host and --tunnel-addr listens on another one.
     #[arg(long, env = "WAYPOINT_NODE_IP")]
     pub node_ip: Option<IpAddr>,
 

@@ -118,3 +118,27 @@ fn registry_list_reads_a_file_registry() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("need etcd:URL"));
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// A node IP that is this host's but not the address the tunnel listens on would be
+/// registered for other clusters to dial and served by nobody: `run` refuses to start,
+/// naming both.
+#[test]
+fn a_node_ip_the_tunnel_does_not_serve_is_refused() {
+    let out = waypoint(&[
+        "run",
+        "--node-ip",
+        "127.0.0.1",
+        "--tunnel-addr",
+        "127.0.0.2:0",
+        "--admin-addr",
+        "127.0.0.1:0",
+        "--dataplane",
+        "copy",
+    ]);
+    assert!(!out.status.success(), "started anyway");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--node-ip 127.0.0.1") && err.contains("127.0.0.2"),
+        "{err}"
+    );
+}
