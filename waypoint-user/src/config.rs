@@ -160,7 +160,8 @@ pub struct Config {
     pub export_all: bool,
 
     /// Which pods of this cluster a connection may go to: `node` (this node's only) or
-    /// `cluster` (this node's first, other nodes' when none is ready here).
+    /// `cluster` (this node's first; other nodes' when none is ready here, or when every
+    /// one here failed to connect, within --connect-attempts).
     #[arg(
         long,
         env = "WAYPOINT_ROUTE_SCOPE",
@@ -173,9 +174,10 @@ pub struct Config {
     #[arg(long, env = "WAYPOINT_POD_PORT", default_value_t = 15008)]
     pub pod_port: u16,
 
-    /// Deadline for a client to send its whole ClientHello, from its first bytes. (The
+    /// Deadline for a client to send its whole ClientHello, from its handshake. (The
     /// kernel hands over a connection once its first bytes are in, TCP_DEFER_ACCEPT, or
-    /// after about 1 s of silence; the deadline starts then.)
+    /// after 1 s of silence, which counts in the deadline: a deadline under 1 s gives a
+    /// silent client 1 s.)
     #[arg(long, env = "WAYPOINT_HELLO_TIMEOUT", value_parser = parse_duration, default_value = "5s")]
     pub hello_timeout: Duration,
 
@@ -187,7 +189,8 @@ pub struct Config {
     #[arg(long, env = "WAYPOINT_CONNECT_TIMEOUT", value_parser = parse_duration, default_value = "1s")]
     pub connect_timeout: Duration,
 
-    /// Connect attempts per connection, each to a different pod.
+    /// Connect attempts per connection, each to a different pod: this node's pods first,
+    /// then (--route-scope cluster) the other nodes'.
     #[arg(long, env = "WAYPOINT_CONNECT_ATTEMPTS", default_value_t = 3)]
     pub connect_attempts: u32,
 

@@ -520,12 +520,21 @@ impl Router {
             Ok(None) => {}
             Err(e) => return Err((e.into(), Some(Socket::Ready(down)))),
         }
+        // The deadline counts from the handshake. A client with bytes at the accept was
+        // handed over as they came (TCP_DEFER_ACCEPT), right after its handshake as a
+        // rule; one with none was held by the kernel for its deferral first.
+        let deadline = if buf.is_empty() {
+            cfg.hello_timeout
+                .saturating_sub(crate::workers::DEFER_ACCEPT)
+        } else {
+            cfg.hello_timeout
+        };
         let mut down = match TcpStream::from_std(down) {
             Ok(down) => down,
             Err(e) => return Err((sni::ReadHelloError::from(e).into(), None)),
         };
         let read = tokio::time::timeout(
-            cfg.hello_timeout,
+            deadline,
             sni::read_client_hello(&mut down, buf, cfg.max_hello_bytes),
         )
         .await;
@@ -556,7 +565,7 @@ impl Router {
             })?;
         let mut last = String::from("no candidate");
         for attempt in 0..cfg.connect_attempts.max(1) {
-            let Some((ep, lease)) = self.balancer.pick(&mut candidates) else {
+            let Some((ep, lease)) = candidates.pick(&self.balancer) else {
                 break;
             };
             if attempt > 0 {

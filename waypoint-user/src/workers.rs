@@ -56,8 +56,14 @@ pub fn count(requested: usize) -> usize {
 }
 
 /// How long the kernel holds a connection that has sent nothing before handing it to a
-/// worker anyway (TCP_DEFER_ACCEPT, in seconds; the hello timeout then applies).
+/// worker anyway (TCP_DEFER_ACCEPT, in seconds): the SYN-ACK's first retransmission, at
+/// the initial RTO of 1 s, after which the client's next ACK makes it acceptable. The
+/// router counts that second in the client's hello deadline ([`DEFER_ACCEPT`]).
 const DEFER_ACCEPT_SECS: libc::c_int = 1;
+
+/// [`DEFER_ACCEPT_SECS`]: how long a client that sent nothing was connected before it
+/// was accepted.
+pub(crate) const DEFER_ACCEPT: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// A listening socket that other listeners in this process, and a new daemon while this
 /// one drains, can bind too (SO_REUSEPORT, same user only).

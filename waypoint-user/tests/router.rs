@@ -336,6 +336,35 @@ async fn bad_input_is_rejected_and_counted() {
     app.shutdown().await;
 }
 
+/// A client that connects and sends nothing is closed at the hello deadline counted from
+/// its handshake, although the kernel (TCP_DEFER_ACCEPT) hands it to the router only
+/// about 1 s later: with `--hello-timeout 2s`, at about 2 s, not 3 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_client_gets_the_hello_deadline_from_its_handshake() {
+    const DEADLINE: Duration = Duration::from_secs(2);
+    let file = EndpointsFile::new(serde_json::json!([endpoint(
+        "reviews",
+        "127.1.1.1",
+        "n1",
+        true,
+        true
+    )]));
+    let app = start(&file, &["--dataplane", "copy", "--hello-timeout", "2s"]).await;
+    let started = std::time::Instant::now();
+    let silent = TcpStream::connect(app.tunnel_addr).await.unwrap();
+    expect_closed(silent).await;
+    let took = started.elapsed();
+    // The kernel's deferral ends at the SYN-ACK's retransmission, 1 s after the
+    // handshake; the rest of the deadline runs from the accept. A deadline counted from
+    // the accept would close it at 3 s.
+    assert!(
+        took >= DEADLINE - Duration::from_millis(100)
+            && took < DEADLINE + Duration::from_millis(700),
+        "closed after {took:?}, deadline {DEADLINE:?}"
+    );
+    app.shutdown().await;
+}
+
 /// 10,000 connections that never finish a hello: each is rejected (overload beyond the
 /// pending limit, hello_timeout below it) and an established connection is served
 /// throughout. (New connections are refused while the flood holds every pending slot:
@@ -438,6 +467,38 @@ async fn connect_failure_tries_the_next_pod() {
         sample(app.admin_addr, "waypoint_connections_opened_total").await,
         20.0
     );
+    app.shutdown().await;
+}
+
+/// This node's only pod refuses connections: with `--route-scope cluster` (the default) the
+/// connection goes on to a pod on another node of the cluster, within
+/// `--connect-attempts`; with `--route-scope node` it is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_local_pod_falls_back_to_the_cluster() {
+    let _pod = echo_pod("127.1.4.2", 15008).await;
+    let file = EndpointsFile::new(serde_json::json!([
+        // On this node (n1), registered and ready, but nothing listens there.
+        endpoint("reviews", "127.1.4.1", "n1", true, true),
+        endpoint("reviews", "127.1.4.2", "n2", true, true),
+    ]));
+    let hello = hello_for("8080.reviews.bookinfo.mesh.local");
+    let app = start(&file, &["--dataplane", "copy"]).await;
+    for _ in 0..5 {
+        echo_through(app.tunnel_addr, &hello, b"x").await;
+    }
+    assert_eq!(
+        sample(app.admin_addr, "waypoint_upstream_retries_total").await,
+        5.0,
+        "each connection tried this node's pod first"
+    );
+    app.shutdown().await;
+
+    let app = start(&file, &["--dataplane", "copy", "--route-scope", "node"]).await;
+    let series = "waypoint_connections_rejected_total{reason=\"upstream_connect_failed\"}";
+    let mut c = TcpStream::connect(app.tunnel_addr).await.unwrap();
+    c.write_all(&hello).await.unwrap();
+    expect_closed(c).await;
+    assert_eq!(sample(app.admin_addr, series).await, 1.0);
     app.shutdown().await;
 }
 

@@ -20,7 +20,8 @@ use crate::{model::Endpoint, sni::Target, store::Snapshot};
 pub enum Scope {
     /// Only pods on this node.
     Node,
-    /// Pods on this node first; other nodes of this cluster when none is ready here.
+    /// Pods on this node first; other nodes of this cluster when none is ready here, or
+    /// when every one here failed to connect.
     Cluster,
 }
 
@@ -63,13 +64,9 @@ pub struct Policy {
 }
 
 impl Policy {
-    /// The pods a connection for `target` may go to, best tier only (this node's pods if
-    /// any is ready, else the cluster's when the scope allows).
-    pub fn candidates(
-        &self,
-        snap: &Snapshot,
-        target: &Target,
-    ) -> Result<Vec<Arc<Endpoint>>, NoRoute> {
+    /// The pods a connection for `target` may go to, in tiers: this node's ready pods,
+    /// then (when the scope allows) the cluster's others.
+    pub fn candidates(&self, snap: &Snapshot, target: &Target) -> Result<Candidates, NoRoute> {
         let ours: Vec<&Arc<Endpoint>> = snap
             .endpoints(&target.namespace, &target.service)
             .iter()
@@ -85,20 +82,41 @@ impl Policy {
             .into_iter()
             .filter(|e| (self.export_all || e.exported) && e.ready && e.serves(target.port))
             .collect();
-        let local: Vec<Arc<Endpoint>> = usable
-            .iter()
-            .filter(|e| e.node_name == self.node)
-            .map(|e| Arc::clone(e))
-            .collect();
-        let chosen = if !local.is_empty() || self.scope == Scope::Node {
-            local
-        } else {
-            usable.into_iter().cloned().collect()
-        };
-        if chosen.is_empty() {
+        let (local, elsewhere): (Vec<Arc<Endpoint>>, Vec<Arc<Endpoint>>) = usable
+            .into_iter()
+            .cloned()
+            .partition(|e| e.node_name == self.node);
+        let mut tiers = vec![local];
+        if self.scope == Scope::Cluster {
+            tiers.push(elsewhere);
+        }
+        tiers.retain(|t| !t.is_empty());
+        if tiers.is_empty() {
             return Err(NoRoute::NoEndpoint);
         }
-        Ok(chosen)
+        Ok(Candidates { tiers })
+    }
+}
+
+/// The pods a connection may go to, best tier first: this node's, then the rest of the
+/// cluster's ([`Scope::Cluster`]). A tier is tried only once every pod of the tiers
+/// before it was tried and failed.
+#[derive(Debug, PartialEq)]
+pub struct Candidates {
+    /// Never empty, none of them empty when built.
+    tiers: Vec<Vec<Arc<Endpoint>>>,
+}
+
+impl Candidates {
+    /// Leases the next pod to try, from the best tier that still has one untried.
+    pub fn pick(&mut self, balancer: &Balancer) -> Option<(Arc<Endpoint>, Lease)> {
+        let tier = self.tiers.iter_mut().find(|t| !t.is_empty())?;
+        balancer.pick(tier)
+    }
+
+    /// The tiers left, best first (tests and diagnostics).
+    pub fn tiers(&self) -> &[Vec<Arc<Endpoint>>] {
+        &self.tiers
     }
 }
 
@@ -221,6 +239,10 @@ mod tests {
         v
     }
 
+    fn tiers(c: &Candidates) -> Vec<Vec<String>> {
+        c.tiers().iter().map(|t| ips(t)).collect()
+    }
+
     #[test]
     fn prefers_this_node_then_cluster_never_other_clusters() {
         let snap = Snapshot::new(
@@ -233,8 +255,16 @@ mod tests {
         );
         let p = policy(Scope::Cluster, false);
         assert_eq!(
-            ips(&p.candidates(&snap, &target("web", 8080)).unwrap()),
-            ["10.0.0.1"]
+            tiers(&p.candidates(&snap, &target("web", 8080)).unwrap()),
+            [vec!["10.0.0.1"], vec!["10.0.0.2"]]
+        );
+        assert_eq!(
+            tiers(
+                &policy(Scope::Node, false)
+                    .candidates(&snap, &target("web", 8080))
+                    .unwrap()
+            ),
+            [vec!["10.0.0.1"]]
         );
 
         let snap = Snapshot::new(
@@ -246,8 +276,8 @@ mod tests {
             true,
         );
         assert_eq!(
-            ips(&p.candidates(&snap, &target("web", 8080)).unwrap()),
-            ["10.0.0.2"]
+            tiers(&p.candidates(&snap, &target("web", 8080)).unwrap()),
+            [vec!["10.0.0.2"]]
         );
         let node_only = policy(Scope::Node, false);
         assert_eq!(
@@ -286,9 +316,35 @@ mod tests {
         );
         let lab = policy(Scope::Cluster, true);
         assert_eq!(
-            ips(&lab.candidates(&snap, &target("internal", 8080)).unwrap()),
-            ["10.0.0.5"]
+            tiers(&lab.candidates(&snap, &target("internal", 8080)).unwrap()),
+            [vec!["10.0.0.5"]]
         );
+    }
+
+    /// Every pod of this node is picked before any of the cluster's others.
+    #[test]
+    fn the_next_tier_comes_after_every_pod_of_this_one() {
+        let snap = Snapshot::new(
+            [
+                ep("web", "a", "n1", "10.0.0.1", true, true),
+                ep("web", "a", "n1", "10.0.0.2", true, true),
+                ep("web", "a", "n2", "10.0.0.3", true, true),
+                ep("web", "a", "n3", "10.0.0.4", true, true),
+            ],
+            true,
+        );
+        let b = Balancer::default();
+        let mut c = policy(Scope::Cluster, false)
+            .candidates(&snap, &target("web", 8080))
+            .unwrap();
+        let mut order = Vec::new();
+        while let Some((ep, _lease)) = c.pick(&b) {
+            order.push(ep);
+        }
+        assert_eq!(order.len(), 4);
+        let (here, elsewhere) = order.split_at(2);
+        assert_eq!(ips(here), ["10.0.0.1", "10.0.0.2"]);
+        assert_eq!(ips(elsewhere), ["10.0.0.3", "10.0.0.4"]);
     }
 
     #[test]
