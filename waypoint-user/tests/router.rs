@@ -365,6 +365,99 @@ async fn a_silent_client_gets_the_hello_deadline_from_its_handshake() {
     app.shutdown().await;
 }
 
+/// `--max-connections`: twice the limit arrives, half routed and echoing, half stalled
+/// in their hello. Those past the limit are closed and counted as overload, the daemon's
+/// memory does not grow with them, those within the limit keep working throughout, and
+/// once they close new connections are served again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_connection_limit_refuses_the_excess_and_recovers() {
+    const LIMIT: usize = 400;
+    // About 1,500 sockets in this process and 700 in the daemon (which inherits it).
+    raise_nofile();
+    let _pod = echo_pod("127.1.5.1", 15008).await;
+    let file = reviews_at("127.1.5.1");
+    let limit = LIMIT.to_string();
+    let daemon = spawn(
+        &file,
+        "127.1.5.254",
+        &[
+            "--dataplane",
+            "copy",
+            "--max-connections",
+            &limit,
+            "--hello-timeout",
+            "60s",
+        ],
+    )
+    .await;
+    let (tunnel, admin) = (daemon.tunnel_addr, daemon.admin_addr);
+    let hello = hello_for("8080.reviews.bookinfo.mesh.local");
+    let overload = "waypoint_connections_rejected_total{reason=\"overload\"}";
+    // Up to the limit: half routed, half holding a partial hello (a pending slot each;
+    // a partial hello is accepted at once, where a silent client waits in the kernel).
+    let mut active = Vec::new();
+    let mut stalled = Vec::new();
+    for _ in 0..LIMIT / 2 {
+        active.push(routed(tunnel, &hello).await);
+        let mut c = TcpStream::connect(tunnel).await.unwrap();
+        c.write_all(&hello[..50]).await.unwrap();
+        stalled.push(c);
+    }
+    let full = async {
+        while sample(admin, "waypoint_pending_handshakes").await < (LIMIT / 2) as f64 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(WAIT, full)
+        .await
+        .expect("every stalled hello pending");
+    assert_eq!(
+        sample(admin, overload).await,
+        0.0,
+        "none refused within the limit"
+    );
+    let rss_at_limit = daemon.rss_kib();
+
+    // As many again, of both kinds: every one closed without an answer, and counted.
+    for i in 0..LIMIT {
+        let mut c = TcpStream::connect(tunnel).await.unwrap();
+        let first = if i % 2 == 0 { &hello[..] } else { &hello[..50] };
+        // The daemon may have closed it already: a failed write is a refusal too.
+        let _ = c.write_all(first).await;
+        expect_closed(c).await;
+    }
+    assert_eq!(sample(admin, overload).await, LIMIT as f64);
+    let rss_over = daemon.rss_kib();
+    println!("daemon RSS: {rss_at_limit} KiB at the limit, {rss_over} KiB after {LIMIT} refused");
+    assert!(
+        rss_over < rss_at_limit + 4 * 1024,
+        "refused connections cost memory: {rss_at_limit} KiB -> {rss_over} KiB"
+    );
+    for (i, c) in active.iter_mut().enumerate() {
+        let ping = format!("still here {i}");
+        c.write_all(ping.as_bytes()).await.unwrap();
+        let mut b = vec![0u8; ping.len()];
+        c.read_exact(&mut b).await.unwrap();
+        assert_eq!(b, ping.as_bytes());
+    }
+
+    // Once they close, the limit has room again.
+    drop(active);
+    drop(stalled);
+    let drained = async {
+        while sample(admin, "waypoint_pending_handshakes").await > 0.0
+            || sample(admin, "waypoint_active_connections").await > 0.0
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(WAIT, drained)
+        .await
+        .expect("every slot released");
+    echo_through(tunnel, &hello, b"served again").await;
+    assert_eq!(sample(admin, overload).await, LIMIT as f64);
+}
+
 /// 10,000 connections that never finish a hello: each is rejected (overload beyond the
 /// pending limit, hello_timeout below it) and an established connection is served
 /// throughout. (New connections are refused while the flood holds every pending slot:
