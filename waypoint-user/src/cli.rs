@@ -10,7 +10,7 @@ use serde::Serialize;
 use crate::{
     envoy,
     horizon::{self, Mode, Query, ServiceName},
-    model::Endpoint,
+    model::{check_ports, Endpoint, ServicePort},
     registry::{
         self,
         etcd::{self, Connector, TlsArgs},
@@ -137,7 +137,8 @@ impl ViewerArgs {
 /// `waypoint resolve`.
 #[derive(Clone, Debug, clap::Args)]
 pub struct ResolveArgs {
-    /// The service port: `<service>.<namespace>:<port>`, e.g. `reviews.bookinfo:9080`
+    /// The service port: `<service>.<namespace>:<port>`, e.g. `reviews.bookinfo:9080` (the
+    /// Service's `port`; each target's SNI names the pod port behind it)
     /// (service and namespace are DNS-1123 labels).
     pub target: Query,
 
@@ -264,9 +265,13 @@ pub struct PutArgs {
     /// Service account.
     #[arg(long, default_value = "")]
     pub service_account: String,
-    /// A served port (repeat for several; none means any).
+    /// A pod port that serves the service (repeat for several; none means any).
     #[arg(long = "port")]
     pub ports: Vec<u16>,
+    /// A service port and the pod port it goes to, `PORT:TARGET` (e.g. `80:9080`; repeat
+    /// for several). Without it, each --port is a service port of the same number.
+    #[arg(long = "service-port", value_parser = parse_service_port)]
+    pub service_ports: Vec<ServicePort>,
     /// Mark the pod not ready.
     #[arg(long)]
     pub not_ready: bool,
@@ -277,6 +282,12 @@ pub struct PutArgs {
 
 impl PutArgs {
     fn endpoint(&self) -> anyhow::Result<Endpoint> {
+        let ep = self.unchecked()?;
+        check_ports(&ep.ports, &ep.service_ports)?;
+        Ok(ep)
+    }
+
+    fn unchecked(&self) -> anyhow::Result<Endpoint> {
         if let Some(json) = &self.json {
             return serde_json::from_str(json).context("--json is not an endpoint record");
         }
@@ -297,10 +308,34 @@ impl PutArgs {
             node_ip: self.node_ip,
             service_account: self.service_account.clone(),
             ports: self.ports.clone(),
+            service_ports: self.service_ports.clone(),
             ready: !self.not_ready,
             exported: self.exported,
         })
     }
+}
+
+/// `PORT:TARGET`, both 1–65535.
+fn parse_service_port(s: &str) -> Result<ServicePort, String> {
+    let bad = || format!("{s:?} is not PORT:TARGET with ports 1-65535 (e.g. 80:9080)");
+    let (port, target) = s.split_once(':').ok_or_else(bad)?;
+    let number = |p: &str| p.parse::<u16>().ok().filter(|&n| n != 0).ok_or_else(bad);
+    Ok(ServicePort {
+        port: number(port)?,
+        target_port: number(target)?,
+    })
+}
+
+/// ` service_ports=[80:9080, …]` for the table, empty without any.
+fn service_ports(ports: &[ServicePort]) -> String {
+    if ports.is_empty() {
+        return String::new();
+    }
+    let each: Vec<String> = ports
+        .iter()
+        .map(|p| format!("{}:{}", p.port, p.target_port))
+        .collect();
+    format!(" service_ports=[{}]", each.join(", "))
 }
 
 /// `waypoint registry list`.
@@ -414,8 +449,12 @@ pub async fn registry(cmd: RegistryCommand) -> anyhow::Result<()> {
                         let node_ip = e.node_ip.map(|i| i.to_string()).unwrap_or("-".into());
                         writeln!(
                             stdout,
-                            "{key}  pod_ip={} node_ip={node_ip} ports={:?} ready={} exported={}",
-                            e.pod_ip, e.ports, e.ready, e.exported
+                            "{key}  pod_ip={} node_ip={node_ip} ports={:?}{} ready={} exported={}",
+                            e.pod_ip,
+                            e.ports,
+                            service_ports(&e.service_ports),
+                            e.ready,
+                            e.exported
                         )?;
                     }
                 }

@@ -3,8 +3,9 @@
 //! `Listener` that accepts both SNIs the cluster sends.
 //!
 //! Derived from [`horizon::resolve`] (never a second implementation of the rules): every
-//! target of the [`View`] becomes an endpoint, its `waypoint` flag becomes endpoint
-//! metadata, its priority an Envoy priority. Pure and deterministic (inputs are sorted,
+//! target of the [`View`] becomes an endpoint, how it is dialed (directly or through a
+//! waypoint, and the pod port its SNI names) becomes endpoint metadata, its priority an
+//! Envoy priority. Pure and deterministic (inputs are sorted,
 //! JSON objects are ordered maps) so golden snapshots are stable. The layout is explained
 //! in docs/ARCHITECTURE.md ("Envoy configuration").
 
@@ -20,8 +21,9 @@ use crate::{
 /// Endpoint metadata namespace the transport socket matcher reads (Envoy's default for
 /// `EndpointMetadataInput.filter`, spelled out so the config says what it means).
 pub const METADATA_FILTER: &str = "envoy.lb";
-/// Endpoint metadata key marking an endpoint that is a node's waypoint.
-pub const METADATA_KEY: &str = "waypoint";
+/// Endpoint metadata key of how an endpoint is dialed: `direct:<pod port>` or
+/// `waypoint:<pod port>` (see [`socket_kind`]). Each value has its transport sockets.
+pub const METADATA_KEY: &str = "socket";
 
 const TYPE_ENDPOINT_METADATA_INPUT: &str = "type.googleapis.com/envoy.extensions.matching.common_inputs.transport_socket.v3.EndpointMetadataInput";
 const TYPE_FILTER_STATE_INPUT: &str =
@@ -174,13 +176,26 @@ pub fn generate(
                 .then(|| spiffe_id(&config.trust_domain, &query.namespace, &query.service)),
         )
         .collect();
-    // Every port the service's pods serve gets an inbound chain, the queried one always.
+
+    // The pod ports behind the queried service port: one in the common case; several
+    // when a named target port has different numbers on different pods. Taken from all
+    // the service's endpoints, not the view, so that the cluster's sockets stay the same
+    // while endpoints come and go.
+    let pod_ports: BTreeSet<u16> = of_service
+        .iter()
+        .filter_map(|e| e.target_port(query.port))
+        .collect();
+    let pod_ports = if pod_ports.is_empty() {
+        BTreeSet::from([query.port])
+    } else {
+        pod_ports
+    };
+    // Every pod port of the service gets an inbound chain, the queried one's always.
     let ports: BTreeSet<u16> = of_service
         .iter()
         .flat_map(|e| e.ports.iter().copied())
-        .chain([query.port])
+        .chain(pod_ports.iter().copied())
         .collect();
-
     let mut clusters = vec![outbound_cluster(
         config,
         viewer,
@@ -188,6 +203,7 @@ pub fn generate(
         &view,
         &sources,
         &destination_ids,
+        &pod_ports,
     )];
     clusters.extend(ports.iter().map(|p| inbound_cluster(config, *p, query)));
     let listener = inbound_listener(config, viewer, query, &ports, &destination_ids);
@@ -277,21 +293,27 @@ fn upstream_tls(
     })
 }
 
-fn socket_name(waypoint: bool, namespace: &str, service_account: &str) -> String {
+/// How an endpoint is dialed, as its metadata says ([`METADATA_KEY`]): through a
+/// waypoint or directly, with the SNI naming `pod_port`.
+pub fn socket_kind(waypoint: bool, pod_port: u16) -> String {
     let via = if waypoint { "waypoint" } else { "direct" };
-    format!("{via}/{namespace}/{service_account}")
+    format!("{via}:{pod_port}")
+}
+
+fn socket_name(kind: &str, namespace: &str, service_account: &str) -> String {
+    format!("{kind}/{namespace}/{service_account}")
 }
 
 /// Level two of the matcher: the source's filter-state value picks the socket carrying its
-/// certificate, among the direct or the waypoint sockets.
+/// certificate, among the sockets of one kind ([`socket_kind`]).
 fn source_matcher(
     config: &Config,
     sources: &BTreeMap<(String, String), Vec<String>>,
-    waypoint: bool,
+    kind: &str,
 ) -> Value {
     let mut map = serde_json::Map::new();
     for ((ns, sa), values) in sources {
-        let name = socket_name(waypoint, ns, sa);
+        let name = socket_name(kind, ns, sa);
         for v in values {
             map.insert(
                 v.clone(),
@@ -320,26 +342,51 @@ fn outbound_cluster(
     view: &View,
     sources: &BTreeMap<(String, String), Vec<String>>,
     destination_ids: &BTreeSet<String>,
+    pod_ports: &BTreeSet<u16>,
 ) -> Value {
     let name = outbound_cluster_name(query);
-    let direct_sni = query.port.to_string();
-    let waypoint_sni = format!(
-        "{}.{}.{}.{}",
-        query.port, query.service, query.namespace, viewer.mesh_domain
-    );
-    // Both sockets of an identity differ only in SNI; the socket set does not depend on
-    // the current endpoints, so the cluster stays the same while endpoints come and go
-    // (as it would under EDS).
+    // Each kind of dial has its SNI: the pod port alone directly, with the service
+    // and the mesh domain through a waypoint.
+    let kinds: Vec<(String, String)> = pod_ports
+        .iter()
+        .flat_map(|&port| {
+            [
+                (socket_kind(false, port), port.to_string()),
+                (
+                    socket_kind(true, port),
+                    format!(
+                        "{port}.{}.{}.{}",
+                        query.service, query.namespace, viewer.mesh_domain
+                    ),
+                ),
+            ]
+        })
+        .collect();
+    // An identity's sockets differ only in SNI; the socket set does not depend on the
+    // current endpoints, so the cluster stays the same while endpoints come and go (as
+    // it would under EDS).
     let mut matches = Vec::new();
     for (ns, sa) in sources.keys() {
         let id = spiffe_id(&config.trust_domain, ns, sa);
-        for (waypoint, sni) in [(false, &direct_sni), (true, &waypoint_sni)] {
+        for (kind, sni) in &kinds {
             matches.push(json!({
-                "name": socket_name(waypoint, ns, sa),
+                "name": socket_name(kind, ns, sa),
                 "transport_socket": upstream_tls(config, Some(&id), sni, destination_ids),
             }));
         }
     }
+    let by_kind: serde_json::Map<String, Value> = kinds
+        .iter()
+        .map(|(kind, _)| {
+            (
+                kind.clone(),
+                json!({"matcher": source_matcher(config, sources, kind)}),
+            )
+        })
+        .collect();
+    // Every endpoint names its kind; the fallback is never taken but must exist.
+    let default_port = pod_ports.first().copied().unwrap_or(query.port);
+    let (default_kind, default_sni) = (socket_kind(false, default_port), default_port.to_string());
     json!({
         "name": name,
         "type": "STATIC",
@@ -357,36 +404,33 @@ fn outbound_cluster(
                         "path": [{"key": METADATA_KEY}],
                     },
                 },
-                "exact_match_map": {"map": {
-                    "true": {"matcher": source_matcher(config, sources, true)},
-                }},
+                "exact_match_map": {"map": by_kind},
             },
-            // Endpoints without the waypoint mark are dialed directly.
-            "on_no_match": {"matcher": source_matcher(config, sources, false)},
+            "on_no_match": {"matcher": source_matcher(config, sources, &default_kind)},
         },
         // Used when no source matches (a pod this config does not know): TLS without a
         // client certificate, which the destination's inbound rejects. Failing closed
         // beats Envoy's default of a plaintext socket.
-        "transport_socket": upstream_tls(config, None, &direct_sni, destination_ids),
+        "transport_socket": upstream_tls(config, None, &default_sni, destination_ids),
     })
 }
 
 /// The `ClusterLoadAssignment`: one `LocalityLbEndpoints` per (priority, locality).
 /// Horizon priorities (0 own cluster, 1 same zone, 2 same region, 3 elsewhere) are
 /// renumbered densely because Envoy wants priorities without gaps. Pods behind the same
-/// waypoint become one endpoint weighted by their count: the node re-balances among
-/// them, and the weight keeps the per-pod share.
+/// waypoint with the same pod port become one endpoint weighted by their count: the node
+/// re-balances among them, and the weight keeps the per-pod share.
 fn load_assignment(cluster_name: &str, view: &View) -> Value {
     let tiers: BTreeSet<u32> = view.endpoints.iter().map(|t| t.priority).collect();
     let dense: BTreeMap<u32, usize> = tiers.iter().enumerate().map(|(i, p)| (*p, i)).collect();
-    type Group<'a> = BTreeMap<std::net::SocketAddr, Vec<&'a Target>>;
+    type Group<'a> = BTreeMap<(std::net::SocketAddr, u16), Vec<&'a Target>>;
     let mut groups: BTreeMap<(usize, &str, &str), Group<'_>> = BTreeMap::new();
     for t in &view.endpoints {
         let prio = dense.get(&t.priority).copied().unwrap_or_default();
         groups
             .entry((prio, t.region.as_str(), t.zone.as_str()))
             .or_default()
-            .entry(t.address)
+            .entry((t.address, t.pod_port))
             .or_default()
             .push(t);
     }
@@ -395,7 +439,7 @@ fn load_assignment(cluster_name: &str, view: &View) -> Value {
         .map(|((prio, region, zone), by_addr)| {
             let lb: Vec<Value> = by_addr
                 .iter()
-                .map(|(addr, targets)| lb_endpoint(*addr, targets))
+                .map(|((addr, _), targets)| lb_endpoint(*addr, targets))
                 .collect();
             let mut locality = serde_json::Map::new();
             if !region.is_empty() {
@@ -431,8 +475,9 @@ fn lb_endpoint(addr: std::net::SocketAddr, targets: &[&Target]) -> Value {
             "hostname": hostname,
         },
     });
+    let kind = socket_kind(first.waypoint, first.pod_port);
+    ep["metadata"] = json!({"filter_metadata": {METADATA_FILTER: {METADATA_KEY: kind}}});
     if first.waypoint {
-        ep["metadata"] = json!({"filter_metadata": {METADATA_FILTER: {METADATA_KEY: "true"}}});
         ep["load_balancing_weight"] = json!(targets.len());
     }
     ep

@@ -159,8 +159,11 @@ impl std::str::FromStr for Query {
 pub struct Target {
     /// Where to connect.
     pub address: SocketAddr,
-    /// The SNI to send.
+    /// The SNI to send. It names the pod port behind the service port (`pod_port`),
+    /// which the pod's inbound demuxes on.
     pub sni: String,
+    /// The pod's port behind the queried service port.
+    pub pod_port: u16,
     /// Whether `address` is a node's waypoint rather than the pod.
     pub waypoint: bool,
     /// 0 is tried first; see docs/REGISTRY.md.
@@ -231,10 +234,12 @@ pub fn resolve<'a>(
     let mut left_out = LeftOut::default();
     let mut out = Vec::new();
     for ep in endpoints {
-        if ep.service != query.service || ep.namespace != query.namespace || !ep.serves(query.port)
-        {
+        if ep.service != query.service || ep.namespace != query.namespace {
             continue;
         }
+        let Some(pod_port) = ep.target_port(query.port) else {
+            continue;
+        };
         if !ep.ready {
             left_out.not_ready += 1;
             continue;
@@ -260,19 +265,20 @@ pub fn resolve<'a>(
             (
                 SocketAddr::new(node_ip, viewer.tunnel_port),
                 format!(
-                    "{}.{}.{}.{}",
-                    query.port, ep.service, ep.namespace, viewer.mesh_domain
+                    "{pod_port}.{}.{}.{}",
+                    ep.service, ep.namespace, viewer.mesh_domain
                 ),
             )
         } else {
             (
                 SocketAddr::new(ep.pod_ip, viewer.pod_port),
-                query.port.to_string(),
+                pod_port.to_string(),
             )
         };
         out.push(Target {
             address,
             sni,
+            pod_port,
             waypoint: via_waypoint,
             priority: priority(viewer, ep),
             cluster: ep.cluster.clone(),
@@ -380,6 +386,7 @@ mod tests {
             node_ip: Some(node_ip.parse().unwrap()),
             service_account: "reviews".into(),
             ports: vec![9080],
+            service_ports: Vec::new(),
             ready: true,
             exported: true,
         }
@@ -416,6 +423,48 @@ mod tests {
             mesh_domain: "mesh.local".into(),
             tunnel_port: 15443,
             pod_port: 15008,
+        }
+    }
+
+    /// The service port is what a client names; the SNI names the pod port behind it,
+    /// which may differ from pod to pod (a named target port): the view dials each pod
+    /// with its own, and a service port no pod maps leaves the pod out.
+    #[test]
+    fn the_sni_names_the_pod_port_behind_the_service_port() {
+        let mapped = |ep: &mut Endpoint, target: u16| {
+            ep.ports = vec![target];
+            ep.service_ports = vec![crate::model::ServicePort {
+                port: 80,
+                target_port: target,
+            }];
+        };
+        let mut own = ep("a", "n2", "r-a2", "10.1.0.2", "eu", "eu-2");
+        mapped(&mut own, 9080);
+        let mut remote = ep("b", "bb1", "r-b1", "10.2.0.1", "eu", "eu-1");
+        mapped(&mut remote, 8080);
+        let fleet = [own, remote];
+        let q: Query = "reviews.bookinfo:80".parse().unwrap();
+        let v = resolve(&viewer(Mode::CrossCluster), &q, &fleet);
+        let got: Vec<(String, u16, String)> = v
+            .endpoints
+            .iter()
+            .map(|t| (t.address.to_string(), t.pod_port, t.sni.clone()))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("10.1.0.2:15008".into(), 9080, "9080".into()),
+                (
+                    "192.168.1.3:15443".into(),
+                    8080,
+                    "8080.reviews.bookinfo.mesh.local".into()
+                ),
+            ]
+        );
+        for by_pod_port in ["reviews.bookinfo:9080", "reviews.bookinfo:8080"] {
+            let q: Query = by_pod_port.parse().unwrap();
+            let v = resolve(&viewer(Mode::CrossCluster), &q, &fleet);
+            assert!(v.endpoints.is_empty(), "{by_pod_port} is no service port");
         }
     }
 

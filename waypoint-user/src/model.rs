@@ -34,10 +34,14 @@ pub struct Endpoint {
     /// The pod's service account (its SPIFFE identity is derived from it).
     #[serde(default)]
     pub service_account: String,
-    /// Ports the service serves on this pod (demuxed by the pod's inbound on the SNI).
-    /// Empty means "any".
+    /// The pod's ports that serve the service: its inbound demuxes on them (the SNI
+    /// carries one), and a waypoint routes to them. Empty means "any".
     #[serde(default)]
     pub ports: Vec<u16>,
+    /// The service's ports and the pod port each goes to (a Kubernetes Service's `port`
+    /// and `targetPort`). Empty: each of `ports` is a service port of the same number.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub service_ports: Vec<ServicePort>,
     /// Whether the pod is ready to serve.
     #[serde(default = "default_true")]
     pub ready: bool,
@@ -50,9 +54,83 @@ fn default_true() -> bool {
     true
 }
 
+/// A service port and the pod port it goes to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServicePort {
+    /// The port clients dial the service at (what `<svc>.<ns>:<port>` names).
+    pub port: u16,
+    /// The pod's port behind it (one of the endpoint's `ports`).
+    pub target_port: u16,
+}
+
 impl Endpoint {
-    /// Whether this endpoint serves `port`.
+    /// Whether the pod port `port` of this endpoint serves the service.
     pub fn serves(&self, port: u16) -> bool {
         self.ports.is_empty() || self.ports.contains(&port)
     }
+
+    /// The pod port behind the service port `port`; None if the service port does not
+    /// reach this pod.
+    pub fn target_port(&self, port: u16) -> Option<u16> {
+        target_port(&self.ports, &self.service_ports, port)
+    }
+}
+
+/// [`Endpoint::target_port`] over an endpoint's `ports` and `service_ports`.
+pub fn target_port(ports: &[u16], service_ports: &[ServicePort], port: u16) -> Option<u16> {
+    if service_ports.is_empty() {
+        (ports.is_empty() || ports.contains(&port)).then_some(port)
+    } else {
+        service_ports
+            .iter()
+            .find(|p| p.port == port)
+            .map(|p| p.target_port)
+    }
+}
+
+/// Why an endpoint's ports do not hold together.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum PortError {
+    /// Port 0 is not a port.
+    #[error("port 0 is not a port")]
+    Zero,
+    /// A service port goes to a pod port the endpoint does not list.
+    #[error("service port {port} goes to pod port {target_port}, which is not among the pod's ports {ports:?}")]
+    NotServed {
+        /// The service port.
+        port: u16,
+        /// Its pod port.
+        target_port: u16,
+        /// The pod's ports.
+        ports: Vec<u16>,
+    },
+    /// One service port named twice.
+    #[error("service port {0} is listed twice")]
+    Twice(u16),
+}
+
+/// Checks an endpoint's `ports` and `service_ports` (see [`Endpoint`]).
+pub fn check_ports(ports: &[u16], service_ports: &[ServicePort]) -> Result<(), PortError> {
+    if ports.contains(&0)
+        || service_ports
+            .iter()
+            .any(|p| p.port == 0 || p.target_port == 0)
+    {
+        return Err(PortError::Zero);
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    for p in service_ports {
+        if !seen.insert(p.port) {
+            return Err(PortError::Twice(p.port));
+        }
+        if !ports.is_empty() && !ports.contains(&p.target_port) {
+            return Err(PortError::NotServed {
+                port: p.port,
+                target_port: p.target_port,
+                ports: ports.to_vec(),
+            });
+        }
+    }
+    Ok(())
 }

@@ -142,3 +142,71 @@ fn a_node_ip_the_tunnel_does_not_serve_is_refused() {
         "{err}"
     );
 }
+
+/// `resolve` takes the service port; the SNI of each target names the pod port behind it
+/// on that pod. The pod port alone is no service port, and a file whose service port
+/// goes to a pod port the record does not list is refused with the reason.
+#[test]
+fn resolve_takes_the_service_port_and_dials_the_pod_port() {
+    let dir = tempdir("service-port");
+    let path = dir.join("endpoints.json");
+    let record = |cluster: &str, ip: &str, target: u16| {
+        format!(
+            r#"{{"service":"web","namespace":"shop","cluster":"{cluster}","pod_ip":"{ip}","node_name":"{cluster}1","node_ip":"192.168.0.{}","ports":[{target}],"service_ports":[{{"port":80,"target_port":{target}}}],"exported":true}}"#,
+            cluster.len()
+        )
+    };
+    std::fs::write(
+        &path,
+        format!(
+            r#"{{"endpoints":[{},{}]}}"#,
+            record("a", "10.1.0.5", 9080),
+            record("bb", "10.2.0.5", 8080)
+        ),
+    )
+    .unwrap();
+    let registry = format!("file:{}", path.display());
+    let resolve = |target: &str| {
+        waypoint(&[
+            "resolve",
+            target,
+            "--registry",
+            &registry,
+            "--cluster",
+            "a",
+            "--mode",
+            "cross-cluster",
+        ])
+    };
+    let out = resolve("web.shop:80");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("10.1.0.5:15008     9080 "), "{stdout}");
+    assert!(
+        stdout.contains("192.168.0.2:15443  8080.web.shop.mesh.local "),
+        "{stdout}"
+    );
+    let out = resolve("web.shop:9080");
+    assert!(out.status.success());
+    assert!(
+        !String::from_utf8_lossy(&out.stdout).contains("10.1.0.5"),
+        "9080 is a pod port, not a service port"
+    );
+
+    std::fs::write(
+        &path,
+        r#"{"endpoints":[{"service":"web","namespace":"shop","cluster":"a","pod_ip":"10.1.0.5","node_name":"a1","ports":[9080],"service_ports":[{"port":80,"target_port":7070}]}]}"#,
+    )
+    .unwrap();
+    let out = resolve("web.shop:80");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("service port 80 goes to pod port 7070"),
+        "{stderr}"
+    );
+}

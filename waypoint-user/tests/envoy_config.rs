@@ -85,26 +85,87 @@ fn config() -> envoy::Config {
     }
 }
 
-fn query(service: &str) -> Query {
+fn query(service: &str, port: u16) -> Query {
     Query {
         service: service.into(),
         namespace: "bookinfo".into(),
-        port: 9080,
+        port,
     }
 }
 
-/// The cases: (golden name, service, mode).
-const CASES: &[(&str, &str, Mode)] = &[
-    ("local_only", "reviews", Mode::CrossCluster),
-    ("remote_only", "ratings", Mode::CrossCluster),
-    ("mixed_localities", "details", Mode::CrossCluster),
-    ("mode_always", "details", Mode::Always),
+/// A case: its golden's name, the service and its port asked for, the mode, and the pod
+/// ports behind that service port.
+struct Case {
+    name: &'static str,
+    service: &'static str,
+    port: u16,
+    mode: Mode,
+    pod_ports: &'static [u16],
+}
+
+const CASES: &[Case] = &[
+    Case {
+        name: "local_only",
+        service: "reviews",
+        port: 9080,
+        mode: Mode::CrossCluster,
+        pod_ports: &[9080],
+    },
+    Case {
+        name: "remote_only",
+        service: "ratings",
+        port: 9080,
+        mode: Mode::CrossCluster,
+        pod_ports: &[9080],
+    },
+    Case {
+        name: "mixed_localities",
+        service: "details",
+        port: 9080,
+        mode: Mode::CrossCluster,
+        pod_ports: &[9080],
+    },
+    Case {
+        name: "mode_always",
+        service: "details",
+        port: 9080,
+        mode: Mode::Always,
+        pod_ports: &[9080],
+    },
+    // Service port 80 goes to pod port 9080 in cluster a and to 8080 in cluster b (a
+    // named target port with a different number there).
+    Case {
+        name: "service_port",
+        service: "web",
+        port: 80,
+        mode: Mode::CrossCluster,
+        pod_ports: &[8080, 9080],
+    },
 ];
 
-fn generate(service: &str, mode: Mode) -> serde_json::Value {
-    envoy::generate(&config(), &viewer(mode), &query(service), &endpoints())
-        .unwrap()
-        .bootstrap
+fn generate(service: &str, port: u16, mode: Mode) -> serde_json::Value {
+    envoy::generate(
+        &config(),
+        &viewer(mode),
+        &query(service, port),
+        &endpoints(),
+    )
+    .unwrap()
+    .bootstrap
+}
+
+/// The kind of dial an endpoint's metadata names (`direct:<port>`, `waypoint:<port>`).
+fn kind_of(lb: &envoy_types::pb::envoy::config::endpoint::v3::LbEndpoint) -> String {
+    let value = lb
+        .metadata
+        .as_ref()
+        .and_then(|m| m.filter_metadata.get("envoy.lb"))
+        .and_then(|s| s.fields.get("socket"))
+        .and_then(|v| v.kind.clone());
+    match value {
+        Some(envoy_types::pb::google::protobuf::value::Kind::StringValue(k)) => k,
+        other => panic!("endpoint without a socket kind: {other:?}"),
+    }
 }
 
 fn pretty(v: &serde_json::Value) -> String {
@@ -133,8 +194,8 @@ fn check_golden(name: &str, got: &str) {
 
 #[test]
 fn goldens() {
-    for (name, service, mode) in CASES {
-        check_golden(name, &pretty(&generate(service, *mode)));
+    for c in CASES {
+        check_golden(c.name, &pretty(&generate(c.service, c.port, c.mode)));
     }
 }
 
@@ -144,10 +205,15 @@ fn deterministic_whatever_the_input_order() {
     eps.reverse();
     let mut cfg = config();
     cfg.sources.reverse();
-    let a = envoy::generate(&cfg, &viewer(Mode::CrossCluster), &query("details"), &eps)
-        .unwrap()
-        .bootstrap;
-    assert_eq!(a, generate("details", Mode::CrossCluster));
+    let a = envoy::generate(
+        &cfg,
+        &viewer(Mode::CrossCluster),
+        &query("details", 9080),
+        &eps,
+    )
+    .unwrap()
+    .bootstrap;
+    assert_eq!(a, generate("details", 9080, Mode::CrossCluster));
 }
 
 /// The descriptor set inside the envoy-types crate (pinned as =0.7.7 in Cargo.toml), read
@@ -240,7 +306,8 @@ fn outbound(b: &Bootstrap) -> &Cluster {
 #[test]
 fn goldens_are_valid_envoy_v3() {
     let pool = envoy_pool();
-    for (name, _, _) in CASES {
+    for case in CASES {
+        let name = case.name;
         let json = std::fs::read_to_string(testdata().join(format!("{name}.json"))).unwrap();
         let b = decode(&pool, name, &json);
         let cluster = outbound(&b);
@@ -255,29 +322,32 @@ fn goldens_are_valid_envoy_v3() {
             .map(|m| m.name.clone())
             .collect();
         assert_eq!(picked, sockets, "{name}");
-        assert_eq!(
-            sockets,
-            BTreeSet::from([
-                "direct/bookinfo/productpage".to_owned(),
-                "direct/default/sleep".to_owned(),
-                "waypoint/bookinfo/productpage".to_owned(),
-                "waypoint/default/sleep".to_owned(),
-            ])
-        );
-        // The sockets differ only in SNI.
+        let want: BTreeSet<String> = case
+            .pod_ports
+            .iter()
+            .flat_map(|p| {
+                ["direct", "waypoint"].into_iter().flat_map(move |via| {
+                    ["bookinfo/productpage", "default/sleep"].map(|id| format!("{via}:{p}/{id}"))
+                })
+            })
+            .collect();
+        assert_eq!(sockets, want, "{name}");
+        // The sockets differ only in SNI, which names the pod port of their kind.
         for m in &cluster.transport_socket_matches {
             let mut tls: UpstreamTlsContext = unpack(socket_config(m));
-            let want = if m.name.starts_with("waypoint/") {
-                // outbound|9080|<svc>.<ns>
+            let (kind, _) = m.name.split_once('/').unwrap();
+            let (via, port) = kind.split_once(':').unwrap();
+            let want = if via == "waypoint" {
+                // outbound|<port>|<svc>.<ns>
                 let svc_ns = cluster.name.rsplit('|').next().unwrap();
-                format!("9080.{svc_ns}.mesh.local")
+                format!("{port}.{svc_ns}.mesh.local")
             } else {
-                "9080".to_owned()
+                port.to_owned()
             };
             assert_eq!(tls.sni, want, "{name} {}", m.name);
             tls.sni.clear();
-            let twin = if let Some(rest) = m.name.strip_prefix("waypoint/") {
-                format!("direct/{rest}")
+            let twin = if let Some(rest) = m.name.strip_prefix("waypoint:") {
+                format!("direct:{rest}")
             } else {
                 m.name.clone()
             };
@@ -295,8 +365,8 @@ fn goldens_are_valid_envoy_v3() {
             );
         }
 
-        // Priorities are dense from 0; waypoint endpoints carry the metadata and the
-        // tunnel port, direct ones the pod port.
+        // Priorities are dense from 0; every endpoint names a kind of socket the cluster
+        // has; waypoint endpoints carry the tunnel port, direct ones the pod port.
         let la = cluster.load_assignment.as_ref().unwrap();
         let prios: BTreeSet<u32> = la.endpoints.iter().map(|l| l.priority).collect();
         assert_eq!(
@@ -306,12 +376,12 @@ fn goldens_are_valid_envoy_v3() {
         );
         for lle in &la.endpoints {
             for lb in &lle.lb_endpoints {
-                let waypoint = lb
-                    .metadata
-                    .as_ref()
-                    .and_then(|m| m.filter_metadata.get("envoy.lb"))
-                    .and_then(|s| s.fields.get("waypoint"))
-                    .is_some();
+                let kind = kind_of(lb);
+                assert!(
+                    sockets.iter().any(|s| s.starts_with(&format!("{kind}/"))),
+                    "{name}: {kind} has no socket"
+                );
+                let waypoint = kind.starts_with("waypoint:");
                 let Some(envoy_types::pb::envoy::config::endpoint::v3::lb_endpoint::HostIdentifier::Endpoint(ep)) = &lb.host_identifier else {
                     panic!("no endpoint");
                 };
@@ -343,7 +413,7 @@ fn priorities_and_weights_of_the_mixed_case() {
     let b = decode(
         &envoy_pool(),
         "mixed",
-        &pretty(&generate("details", Mode::CrossCluster)),
+        &pretty(&generate("details", 9080, Mode::CrossCluster)),
     );
     let la = outbound(&b).load_assignment.clone().unwrap();
     // Tier 0: own cluster a (direct, both localities); 1: b (same zone); 2: c (same
@@ -453,4 +523,51 @@ fn cli_requires_a_source() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--source"));
+}
+
+/// Service port 80 reaches pod port 9080 on cluster a's pod and 8080 on cluster b's: each
+/// endpoint is dialed with the SNI of its own pod port, and the pods' inbound has a
+/// chain for each, none for the service port.
+#[test]
+fn each_endpoint_is_dialed_at_its_own_target_port() {
+    let b = decode(
+        &envoy_pool(),
+        "service_port",
+        &pretty(&generate("web", 80, Mode::CrossCluster)),
+    );
+    let cluster = outbound(&b);
+    assert_eq!(cluster.name, "outbound|80|web.bookinfo");
+    let mut dials = Vec::new();
+    for lle in &cluster.load_assignment.as_ref().unwrap().endpoints {
+        for lb in &lle.lb_endpoints {
+            let Some(
+                envoy_types::pb::envoy::config::endpoint::v3::lb_endpoint::HostIdentifier::Endpoint(
+                    ep,
+                ),
+            ) = &lb.host_identifier
+            else {
+                panic!()
+            };
+            let Some(address::Address::SocketAddress(sa)) =
+                ep.address.as_ref().unwrap().address.as_ref()
+            else {
+                panic!()
+            };
+            dials.push((sa.address.clone(), kind_of(lb)));
+        }
+    }
+    assert_eq!(
+        dials,
+        vec![
+            ("10.244.2.20".to_owned(), "direct:9080".to_owned()),
+            ("172.18.0.5".to_owned(), "waypoint:8080".to_owned()),
+        ]
+    );
+    let listener = &b.static_resources.as_ref().unwrap().listeners[0];
+    let chains: Vec<String> = listener
+        .filter_chains
+        .iter()
+        .map(|c| c.filter_chain_match.as_ref().unwrap().server_names[0].clone())
+        .collect();
+    assert_eq!(chains, vec!["8080", "9080", "9443"]);
 }

@@ -55,6 +55,7 @@ fn endpoint(cluster: &str, node: &str, pod: &str, ip: &str) -> Endpoint {
         ),
         service_account: "reviews".into(),
         ports: vec![9080],
+        service_ports: Vec::new(),
         ready: true,
         exported: true,
     }
@@ -68,6 +69,7 @@ fn local(pod: &str, ip: &str) -> LocalEndpoint {
         pod_name: pod.into(),
         service_account: "reviews".into(),
         ports: vec![9080],
+        service_ports: Vec::new(),
         ready: true,
         exported: true,
     }

@@ -10,7 +10,9 @@
 //! - the endpoint's ports are the Service's TCP target ports the pod serves: a number as
 //!   is, a name through the pod's container ports, else through the Service's
 //!   EndpointSlices (which carry the resolved number); a Service whose ports all fail to
-//!   resolve on the pod is not served by it. A Service without ports gives "any port";
+//!   resolve on the pod is not served by it. A Service without ports gives "any port".
+//!   Each Service port goes with its target port on this pod (`service_ports`): clients
+//!   name the service port, the SNI and the pod's inbound the target port;
 //! - readiness is the pod's `ready` condition in the Service's EndpointSlices (see
 //!   [`ready_in_slices`] for why), false while the pod is not in them yet;
 //! - exported when the Service carries [`EXPORT_ANNOTATION`] = `"true"`.
@@ -29,7 +31,10 @@ use k8s_openapi::{
     apimachinery::pkg::util::intstr::IntOrString,
 };
 
-use crate::registry::local::{LocalEndpoint, LocalSet, NodeIdentity};
+use crate::{
+    model::ServicePort as LocalServicePort,
+    registry::local::{LocalEndpoint, LocalSet, NodeIdentity},
+};
 
 /// The Service annotation that exports a service to other clusters (the deploy manifests
 /// use it too).
@@ -142,16 +147,18 @@ where
                 .get(&(local.namespace, name))
                 .map(Vec::as_slice)
                 .unwrap_or_default();
-            let Some(ports) = target_ports(service, pod, local.name, slices) else {
+            let Some(service_ports) = target_ports(service, pod, local.name, slices) else {
                 continue;
             };
+            let ports: BTreeSet<u16> = service_ports.iter().map(|p| p.target_port).collect();
             out.push(LocalEndpoint {
                 service: name.to_owned(),
                 namespace: local.namespace.to_owned(),
                 pod_ip: local.ip,
                 pod_name: local.name.to_owned(),
                 service_account: local.service_account.to_owned(),
-                ports,
+                ports: ports.into_iter().collect(),
+                service_ports,
                 ready: ready_in_slices(local.namespace, local.name, slices),
                 exported: exported(service),
             });
@@ -222,16 +229,16 @@ fn is_tcp(protocol: Option<&str>) -> bool {
     matches!(protocol, None | Some("TCP"))
 }
 
-/// The TCP target ports of `service` that `pod` serves, sorted; empty for "any port" (a
-/// Service without ports). None when the Service has ports but the pod serves none of
-/// them over TCP (UDP-only services, named ports the pod does not have): the waypoint
-/// cannot reach this pod for this service.
+/// The TCP ports of `service` that reach `pod`, each with its target port on the pod,
+/// sorted; empty for "any port" (a Service without ports). None when the Service has
+/// ports but the pod serves none of them over TCP (UDP-only services, named ports the pod
+/// does not have): the waypoint cannot reach this pod for this service.
 fn target_ports(
     service: &Service,
     pod: &Pod,
     pod_name: &str,
     slices: &[&EndpointSlice],
-) -> Option<Vec<u16>> {
+) -> Option<Vec<LocalServicePort>> {
     let ports = service
         .spec
         .as_ref()
@@ -240,10 +247,15 @@ fn target_ports(
     if ports.is_empty() {
         return Some(Vec::new());
     }
-    let resolved: BTreeSet<u16> = ports
+    let resolved: BTreeSet<LocalServicePort> = ports
         .iter()
         .filter(|p| is_tcp(p.protocol.as_deref()))
-        .filter_map(|p| target_port(p, pod, pod_name, slices))
+        .filter_map(|p| {
+            Some(LocalServicePort {
+                port: u16::try_from(p.port).ok().filter(|&n| n != 0)?,
+                target_port: target_port(p, pod, pod_name, slices)?,
+            })
+        })
         .collect();
     (!resolved.is_empty()).then(|| resolved.into_iter().collect())
 }
@@ -255,8 +267,8 @@ fn target_port(
     slices: &[&EndpointSlice],
 ) -> Option<u16> {
     match &port.target_port {
-        None => u16::try_from(port.port).ok(),
-        Some(IntOrString::Int(n)) => u16::try_from(*n).ok(),
+        None => u16::try_from(port.port).ok().filter(|&n| n != 0),
+        Some(IntOrString::Int(n)) => u16::try_from(*n).ok().filter(|&n| n != 0),
         Some(IntOrString::String(name)) => {
             container_port(pod, name).or_else(|| slice_port(slices, port.name.as_deref(), pod_name))
         }
@@ -433,6 +445,10 @@ mod tests {
                 pod_name: "reviews-1".into(),
                 service_account: "reviews".into(),
                 ports: vec![9080],
+                service_ports: vec![LocalServicePort {
+                    port: 80,
+                    target_port: 9080,
+                }],
                 ready: true,
                 exported: true,
             }]
@@ -463,6 +479,47 @@ mod tests {
         let eps = compute(&[reviews_pod()], &[svc], &[sl]);
         assert_eq!(eps.len(), 1);
         assert_eq!(eps[0].ports, vec![8081, 9000, 9080]);
+        let pairs: Vec<(u16, u16)> = eps[0]
+            .service_ports
+            .iter()
+            .map(|p| (p.port, p.target_port))
+            .collect();
+        assert_eq!(pairs, vec![(80, 9080), (81, 8081), (9000, 9000)]);
+    }
+
+    /// The same named target port may have a different number on each pod: each pod's
+    /// record maps the service port to its own.
+    #[test]
+    fn a_named_target_port_maps_to_each_pods_own_number() {
+        let svc = service(
+            "reviews",
+            json!({"app": "reviews"}),
+            json!([{"name": "web", "port": 80, "targetPort": "http"}]),
+        );
+        let mut other = reviews_pod();
+        other.metadata.name = Some("reviews-2".into());
+        other.status.as_mut().unwrap().pod_ip = Some("10.1.0.8".into());
+        let spec = other.spec.as_mut().unwrap();
+        spec.containers[0].ports.as_mut().unwrap()[0].container_port = 8080;
+        let eps = compute(&[reviews_pod(), other], &[svc], &[]);
+        let got: Vec<(&str, Vec<u16>, u16)> = eps
+            .iter()
+            .map(|e| {
+                (
+                    e.pod_name.as_str(),
+                    e.ports.clone(),
+                    e.service_ports[0].target_port,
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("reviews-1", vec![9080], 9080),
+                ("reviews-2", vec![8080], 8080)
+            ]
+        );
+        assert!(eps.iter().all(|e| e.service_ports[0].port == 80));
     }
 
     #[test]

@@ -76,6 +76,20 @@ pub enum Error {
         /// The cause.
         source: serde_json::Error,
     },
+    /// An endpoint of the local endpoints file has ports that do not hold together.
+    #[error("local endpoints file {path}: endpoint {index} ({service}.{namespace}): {source}")]
+    LocalPorts {
+        /// The file.
+        path: PathBuf,
+        /// The endpoint's position in the file, from 0.
+        index: usize,
+        /// Its service.
+        service: String,
+        /// Its namespace.
+        namespace: String,
+        /// What is wrong.
+        source: crate::model::PortError,
+    },
     /// A key passed to a tool is outside the root.
     #[error("{0:?} is not under the registry root {root}", root = record::ROOT)]
     OutsideRoot(String),
@@ -447,10 +461,22 @@ pub fn load_local(path: &Path) -> Result<LocalDocument, Error> {
         path: path.to_owned(),
         source,
     })?;
-    serde_json::from_slice(&text).map_err(|source| Error::ParseLocal {
+    let doc: LocalDocument = serde_json::from_slice(&text).map_err(|source| Error::ParseLocal {
         path: path.to_owned(),
         source,
-    })
+    })?;
+    for (index, e) in doc.endpoints.iter().enumerate() {
+        crate::model::check_ports(&e.ports, &e.service_ports).map_err(|source| {
+            Error::LocalPorts {
+                path: path.to_owned(),
+                index,
+                service: e.service.clone(),
+                namespace: e.namespace.clone(),
+                source,
+            }
+        })?;
+    }
+    Ok(doc)
 }
 
 fn stamp(path: &Path) -> Option<(SystemTime, u64)> {

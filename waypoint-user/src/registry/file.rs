@@ -46,6 +46,20 @@ pub enum Error {
         /// The cause.
         source: serde_json::Error,
     },
+    /// An endpoint's ports do not hold together.
+    #[error("endpoints file {path}: endpoint {index} ({service}.{namespace}): {source}")]
+    Ports {
+        /// The file.
+        path: PathBuf,
+        /// The endpoint's position in the file, from 0.
+        index: usize,
+        /// Its service.
+        service: String,
+        /// Its namespace.
+        namespace: String,
+        /// What is wrong.
+        source: crate::model::PortError,
+    },
 }
 
 /// Reads and parses the file.
@@ -54,10 +68,20 @@ pub fn load(path: &Path) -> Result<Document, Error> {
         path: path.to_owned(),
         source,
     })?;
-    serde_json::from_slice(&text).map_err(|source| Error::Parse {
+    let doc: Document = serde_json::from_slice(&text).map_err(|source| Error::Parse {
         path: path.to_owned(),
         source,
-    })
+    })?;
+    for (index, e) in doc.endpoints.iter().enumerate() {
+        crate::model::check_ports(&e.ports, &e.service_ports).map_err(|source| Error::Ports {
+            path: path.to_owned(),
+            index,
+            service: e.service.clone(),
+            namespace: e.namespace.clone(),
+            source,
+        })?;
+    }
+    Ok(doc)
 }
 
 fn stamp(path: &Path) -> Option<(SystemTime, u64)> {

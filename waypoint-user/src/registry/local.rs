@@ -7,7 +7,7 @@ use std::net::IpAddr;
 
 use serde::{Deserialize, Serialize};
 
-use crate::model::Endpoint;
+use crate::model::{Endpoint, ServicePort};
 
 /// One of this node's pods, as listed in `--local-endpoints`. The cluster, node, node IP
 /// and locality come from the daemon's own flags.
@@ -26,9 +26,13 @@ pub struct LocalEndpoint {
     /// The pod's service account.
     #[serde(default)]
     pub service_account: String,
-    /// Served ports; empty means any.
+    /// The pod's ports that serve the service; empty means any.
     #[serde(default)]
     pub ports: Vec<u16>,
+    /// The service's ports and the pod port each goes to; empty: each of `ports` is a
+    /// service port of the same number.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub service_ports: Vec<ServicePort>,
     /// Whether the pod is ready.
     #[serde(default = "yes")]
     pub ready: bool,
@@ -79,6 +83,7 @@ impl NodeIdentity {
             node_ip: self.node_ip,
             service_account: l.service_account.clone(),
             ports: l.ports.clone(),
+            service_ports: l.service_ports.clone(),
             ready: l.ready,
             exported: l.exported,
         }

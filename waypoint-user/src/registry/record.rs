@@ -10,7 +10,7 @@ use std::net::IpAddr;
 
 use prost::Message as _;
 
-use crate::model::Endpoint;
+use crate::model::{check_ports, Endpoint, ServicePort};
 
 /// The generated protobuf types (package `aether.registry.v1`).
 pub mod pb {
@@ -166,6 +166,14 @@ impl From<&Endpoint> for pb::ServiceEndpoint {
             }),
             pod_ip: ep.pod_ip.to_string(),
             ports: ep.ports.iter().map(|&p| u32::from(p)).collect(),
+            service_ports: ep
+                .service_ports
+                .iter()
+                .map(|p| pb::ServicePort {
+                    port: u32::from(p.port),
+                    target_port: u32::from(p.target_port),
+                })
+                .collect(),
             service_account: ep.service_account.clone(),
             ready: ep.ready,
             exported: ep.exported,
@@ -201,14 +209,26 @@ impl TryFrom<pb::ServiceEndpoint> for Endpoint {
                     invalid(format!("node_ip {:?} is not an IP address", k8s.node_ip))
                 })?)
             };
+        let port = |p: u32| match u16::try_from(p) {
+            Ok(p) if p != 0 => Ok(p),
+            _ => Err(invalid(format!("port {p} is out of range"))),
+        };
         let ports = r
             .ports
             .iter()
-            .map(|&p| match u16::try_from(p) {
-                Ok(p) if p != 0 => Ok(p),
-                _ => Err(invalid(format!("port {p} is out of range"))),
-            })
+            .map(|&p| port(p))
             .collect::<Result<Vec<u16>, Skip>>()?;
+        let service_ports = r
+            .service_ports
+            .iter()
+            .map(|p| {
+                Ok(ServicePort {
+                    port: port(p.port)?,
+                    target_port: port(p.target_port)?,
+                })
+            })
+            .collect::<Result<Vec<ServicePort>, Skip>>()?;
+        check_ports(&ports, &service_ports).map_err(|e| invalid(e.to_string()))?;
         let locality = r.locality.unwrap_or_default();
         Ok(Endpoint {
             service: r.service,
@@ -222,6 +242,7 @@ impl TryFrom<pb::ServiceEndpoint> for Endpoint {
             node_ip,
             service_account: r.service_account,
             ports,
+            service_ports,
             ready: r.ready,
             exported: r.exported,
         })
@@ -273,6 +294,16 @@ mod tests {
             node_ip: Some("192.168.10.2".parse().unwrap()),
             service_account: "reviews".into(),
             ports: vec![8080, 9080],
+            service_ports: vec![
+                ServicePort {
+                    port: 80,
+                    target_port: 8080,
+                },
+                ServicePort {
+                    port: 9080,
+                    target_port: 9080,
+                },
+            ],
             ready: true,
             exported: true,
         }
@@ -310,6 +341,38 @@ mod tests {
         let mut none = ep();
         none.node_ip = None;
         assert_eq!(decode(k.as_bytes(), &encode(&none)).unwrap().node_ip, None);
+    }
+
+    /// Field 11 carries the service ports; a record without it (an older writer) means
+    /// each pod port is a service port of the same number; a service port whose pod port
+    /// the record does not list is an invalid record, not a port that routes nowhere.
+    #[test]
+    fn service_ports_round_trip_and_must_name_a_pod_port() {
+        let e = ep();
+        let k = key(&e).unwrap();
+        let decoded = decode(k.as_bytes(), &encode(&e)).unwrap();
+        assert_eq!(decoded.service_ports, e.service_ports);
+        assert_eq!(decoded.target_port(80), Some(8080));
+        assert_eq!(decoded.target_port(8080), None, "8080 is a pod port only");
+        let mut old = pb::ServiceEndpoint::from(&e);
+        old.service_ports.clear();
+        let old = decode(k.as_bytes(), &old.encode_to_vec()).unwrap();
+        assert_eq!(
+            (old.target_port(8080), old.target_port(80)),
+            (Some(8080), None)
+        );
+        let mut bad = pb::ServiceEndpoint::from(&e);
+        bad.service_ports[0].target_port = 7070;
+        let err = decode(k.as_bytes(), &bad.encode_to_vec()).unwrap_err();
+        assert_eq!(err.reason(), "invalid_record");
+        assert!(err.to_string().contains("pod port 7070"), "{err}");
+        bad.service_ports[0].target_port = 70_000;
+        assert_eq!(
+            decode(k.as_bytes(), &bad.encode_to_vec())
+                .unwrap_err()
+                .reason(),
+            "invalid_record"
+        );
     }
 
     #[test]

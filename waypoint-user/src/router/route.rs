@@ -211,6 +211,7 @@ mod tests {
             node_ip: None,
             service_account: "sa".into(),
             ports: vec![8080],
+            service_ports: Vec::new(),
             ready,
             exported,
         }
