@@ -475,6 +475,107 @@ async fn an_ended_watch_resumes_from_its_last_resource_version() {
 }
 
 #[tokio::test]
+async fn bookmarks_move_the_resume_point_and_leave_the_state_alone() {
+    let api = FakeApi::start();
+    bookinfo(&api);
+    let listed = api.resource_version();
+    let stop = CancellationToken::new();
+    let (mut rx, metrics) = source(api.addr, flags(), &stop);
+    let initial = until(&mut rx, "the initial set", |s| pods(s) == [(RATINGS, true)]).await;
+    api.until_watching().await;
+    for w in api.watches::<Pod>() {
+        assert_eq!(w.param("allowWatchBookmarks"), Some("true"), "{w:?}");
+    }
+
+    // The cluster moves on where this node's watches do not look (node-b's Node and
+    // pod); a bookmark tells them how far.
+    api.apply(&node("node-b", "192.168.10.9", "eu-west-1", "eu-west-1c"));
+    let b = scheduled(&reviews_pod(REVIEWS_V1_B), "node-b");
+    api.apply(&running(&b, "10.1.1.6", true));
+    let computed = metrics.recomputes();
+    api.bookmark();
+    let marked = api.resource_version();
+    assert!(marked > listed);
+
+    // Compacted past the lists: the watches resume from the bookmark, not from the
+    // lists' version, so nothing is gone and nothing relists.
+    let cut = api.partition();
+    api.compact();
+    drop(cut);
+    eventually("every watch resumed", WAIT, || watch_counts(&api) == [2; 4]).await;
+    assert_eq!(watched_from::<Node>(&api), [listed, marked]);
+    assert_eq!(watched_from::<Pod>(&api), [listed, marked]);
+    assert_eq!(watched_from::<Service>(&api), [listed, marked]);
+    assert_eq!(watched_from::<EndpointSlice>(&api), [listed, marked]);
+    assert!(api.watches::<Pod>().iter().all(|w| w.code == 200));
+    assert_eq!(list_counts(&api), [1; 4]);
+    for w in Watched::ALL {
+        assert_eq!(metrics.errors(w), 0, "{w:?}");
+        assert_eq!(metrics.relists(w), 0, "{w:?}");
+        assert_eq!(metrics.events(w, "apply"), 0, "{w:?}");
+        assert_eq!(metrics.events(w, "delete"), 0, "{w:?}");
+    }
+    assert_eq!(metrics.recomputes(), computed, "a bookmark changes nothing");
+    assert_eq!(rx.borrow().as_ref(), Some(&initial));
+
+    // And the resumed watches deliver.
+    api.apply(&node_a("192.168.10.8"));
+    until(&mut rx, "the new node IP", |s| {
+        s.identity.node_ip == ip("192.168.10.8")
+    })
+    .await;
+    stop.cancel();
+}
+
+#[tokio::test]
+async fn an_expired_list_continue_starts_the_list_again() {
+    // More Services than a page (the watcher asks 500 at a time): their namespace sorts
+    // before bookinfo, so bookinfo's come on the last page.
+    let api = FakeApi::start();
+    for i in 0..1000 {
+        let name = format!("filler-{i:04}");
+        api.apply(&service(
+            "a-filler",
+            &name,
+            &[("app", "filler")],
+            &[(80, port(8080))],
+        ));
+    }
+    bookinfo(&api);
+    // Between the first page and the next, ratings is exported and etcd compacts: the
+    // continue token expires (410) and the watcher lists from the start.
+    api.after_first_page::<Service>(|c| {
+        c.apply(&exported(&ratings_service()));
+        c.compact();
+    });
+    let stop = CancellationToken::new();
+    let (mut rx, metrics) = source(api.addr, flags(), &stop);
+    let set = until(&mut rx, "the first set", |_| true).await;
+    assert_eq!(
+        pods(&set),
+        [(RATINGS, true)],
+        "a Service of the last page selects it"
+    );
+    assert!(
+        set.endpoints[0].exported,
+        "nothing is published from the expired list"
+    );
+    assert_eq!(
+        metrics.events(Watched::Service, "apply"),
+        0,
+        "the export came in with the second list"
+    );
+    let lists = api.lists::<Service>();
+    let expired: Vec<_> = lists.iter().filter(|r| r.code == 410).collect();
+    assert_eq!(expired.len(), 1, "{lists:#?}");
+    assert!(expired[0].param("continue").is_some());
+    assert_eq!(lists.len(), 5, "a page, the expired page, then three pages");
+    assert!(lists.iter().all(|r| r.param("limit") == Some("500")));
+    assert!(metrics.errors(Watched::Service) >= 1);
+    stop.cancel();
+}
+
+#[tokio::test]
 async fn api_errors_back_off_and_converge() {
     // The API server is down at start: nothing is published (the registrar writes
     // nothing) until it is up and every set is listed.

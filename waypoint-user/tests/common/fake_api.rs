@@ -42,8 +42,8 @@ use serde_json::Value;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-pub use cluster::Params;
-use cluster::{Cluster, Kind, Opened, Refusal};
+pub use cluster::{Cluster, Params};
+use cluster::{Kind, Opened, Refusal};
 
 /// How long a test waits for the client to do something.
 const WAIT: Duration = Duration::from_secs(20);
@@ -281,6 +281,15 @@ impl FakeApi {
     /// Makes the next `n` lists of `K` fail with a 500.
     pub fn fail_lists<K: ListableResource>(&self, n: usize) {
         self.with(|i| i.failures.insert(K::URL_PATH_SEGMENT, n));
+    }
+
+    /// Runs `f` on the state right after the next first page of a paged list of `K` is
+    /// served, before the client asks for the next page.
+    pub fn after_first_page<K: ListableResource>(
+        &self,
+        f: impl FnOnce(&mut Cluster) + Send + 'static,
+    ) {
+        self.with(|i| i.cluster.after_first_page(K::URL_PATH_SEGMENT, Box::new(f)));
     }
 
     /// The requests for `K` answered so far, in order.

@@ -185,6 +185,9 @@ pub enum Opened {
     Expired,
 }
 
+/// Something to do right after a kind's first list page is served.
+pub type PageHook = Box<dyn FnOnce(&mut Cluster) + Send>;
+
 /// The fake API server's state.
 #[derive(Default)]
 pub struct Cluster {
@@ -196,6 +199,7 @@ pub struct Cluster {
     /// Watches and continue tokens from before this version are answered 410.
     compacted: u64,
     watches: Vec<Watch>,
+    after_first_page: Vec<(&'static str, PageHook)>,
 }
 
 fn key_of(kind: Kind, obj: &Value) -> Key {
@@ -339,6 +343,11 @@ impl Cluster {
         self.watches.iter().any(|w| w.kind.plural == plural)
     }
 
+    /// Runs `hook` right after the next first page of a paged list of `plural` is served.
+    pub fn after_first_page(&mut self, plural: &'static str, hook: PageHook) {
+        self.after_first_page.push((plural, hook));
+    }
+
     /// The objects of `plural` as they were at version `rv` (not before `compacted`),
     /// by key: the current ones with the later writes undone.
     fn at(&self, plural: &str, rv: u64) -> BTreeMap<Key, Value> {
@@ -416,6 +425,16 @@ impl Cluster {
             );
             metadata["continue"] = json!(format!("{snapshot}:{start}"));
             metadata["remainingItemCount"] = json!(remaining);
+            if after.is_none() {
+                if let Some(i) = self
+                    .after_first_page
+                    .iter()
+                    .position(|h| h.0 == kind.plural)
+                {
+                    let (_, hook) = self.after_first_page.remove(i);
+                    hook(self);
+                }
+            }
         }
         Ok(json!({
             "kind": kind.list_kind, "apiVersion": kind.api_version,
