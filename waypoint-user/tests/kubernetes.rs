@@ -1,32 +1,32 @@
-//! The Kubernetes source against a mocked API server: a small hyper server serving the
-//! recorded list and watch responses of waypoint-user/testdata/kubernetes/ (Node, Pod,
-//! Service, EndpointSlice lists; watch events as newline-delimited JSON, pushed by each
-//! test when its scenario calls for them; a 410 Gone ERROR event; a 500). The kube client
-//! is pointed at it with `kube::Config::new`. One test goes on into a real etcd through
-//! the Registrar.
+//! The Kubernetes source against a fake API server (tests/common/fake_api.rs) holding
+//! k8s-openapi objects that each test builds (tests/common/k8s_objects.rs) and writes
+//! while the source runs. As on a real API server, every write moves the
+//! resourceVersion, watches resume from the last version they saw, bookmarks move it, a
+//! compacted history answers a watch or a list page with 410 Gone, and field selectors
+//! filter. One test goes on into a real etcd through the Registrar.
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 #[path = "common/etcd.rs"]
 #[allow(dead_code, reason = "the harness serves several test binaries")]
 mod etcd_harness;
+#[path = "common/fake_api.rs"]
+mod fake_api;
+#[path = "common/k8s_objects.rs"]
+mod k8s_objects;
 
 use std::{
-    collections::HashMap,
-    convert::Infallible,
     net::{IpAddr, SocketAddr},
-    sync::{Arc, Mutex},
     time::Duration,
 };
 
 use etcd_harness::{eventually, Etcd};
-use http_body_util::{combinators::UnsyncBoxBody, BodyExt as _, Full, StreamBody};
-use hyper::{
-    body::{Bytes, Frame, Incoming},
-    server::conn::http1,
-    service::service_fn,
-    Request, Response, StatusCode,
+use fake_api::FakeApi;
+use k8s_objects::{endpoint, exported, named, node, pod, port, running, scheduled, service, slice};
+use k8s_openapi::api::{
+    core::v1::{Node, Pod, Service},
+    discovery::v1::{Endpoint, EndpointSlice},
 };
-use hyper_util::rt::TokioIo;
-use tokio::sync::{mpsc, watch};
+use k8s_openapi::ListableResource;
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use waypoint::{
     kubernetes::{self, Metrics, Source, Watched},
@@ -37,211 +37,85 @@ use waypoint::{
 };
 
 const WAIT: Duration = Duration::from_secs(20);
+const NS: &str = "bookinfo";
+const NODE: &str = "node-a";
 const REVIEWS_V1: &str = "reviews-v1-7d4c9f6b8d-k8v2p";
+/// node-b's reviews pod: in the reviews slice, never this node's.
+const REVIEWS_V1_B: &str = "reviews-v1-7d4c9f6b8d-zz9rt";
 const REVIEWS_V2: &str = "reviews-v2-6c8b7a9d5e-p4w7z";
 const RATINGS: &str = "ratings-v1-5d9ac8b7f4-xq2lm";
 
-fn testdata(name: &str) -> String {
-    let path = format!("{}/testdata/kubernetes/{name}", env!("CARGO_MANIFEST_DIR"));
-    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
+fn node_a(ip: &str) -> Node {
+    node(NODE, ip, "eu-west-1", "eu-west-1a")
 }
 
-/// What the mock serves for one resource.
-#[derive(Default)]
-struct Resource {
-    /// The list body.
-    list: String,
-    /// Lists still to fail with a 500.
-    failures: usize,
-    /// Lists served so far.
-    lists: usize,
-    /// The open watches' bodies.
-    watches: Vec<mpsc::UnboundedSender<Bytes>>,
+fn ratings_pod() -> Pod {
+    let labels = [("app", "ratings"), ("version", "v1")];
+    pod(NS, RATINGS, &labels, "bookinfo-ratings", &[("http", 8080)])
 }
 
-type Shared = Arc<Mutex<HashMap<&'static str, Resource>>>;
-
-/// The mocked API server.
-struct MockApi {
-    addr: SocketAddr,
-    state: Shared,
-    stop: CancellationToken,
+fn reviews_pod(name: &str) -> Pod {
+    pod(
+        NS,
+        name,
+        &[("app", "reviews")],
+        "bookinfo-reviews",
+        &[("http", 9080)],
+    )
 }
 
-fn resource_of(path: &str) -> Option<&'static str> {
-    match path {
-        "/api/v1/nodes" => Some("nodes"),
-        "/api/v1/pods" => Some("pods"),
-        "/api/v1/services" => Some("services"),
-        "/apis/discovery.k8s.io/v1/endpointslices" => Some("endpointslices"),
-        _ => None,
-    }
+/// ratings: service port 80, target port 8080 by number; not exported.
+fn ratings_service() -> Service {
+    service(NS, "ratings", &[("app", "ratings")], &[(80, port(8080))])
 }
 
-fn json(status: StatusCode, body: String) -> Response<UnsyncBoxBody<Bytes, Infallible>> {
-    Response::builder()
-        .status(status)
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body)).boxed_unsync())
-        .unwrap()
+/// reviews: service port 9080, target port by container port name; exported.
+fn reviews_service() -> Service {
+    exported(&service(
+        NS,
+        "reviews",
+        &[("app", "reviews")],
+        &[(9080, named("http"))],
+    ))
 }
 
-async fn handle(
-    state: Shared,
-    req: Request<Incoming>,
-) -> Result<Response<UnsyncBoxBody<Bytes, Infallible>>, Infallible> {
-    let query = req.uri().query().unwrap_or_default().to_owned();
-    let Some(name) = resource_of(req.uri().path()) else {
-        return Ok(json(StatusCode::NOT_FOUND, testdata("status-500.json")));
-    };
-    let mut state = state.lock().unwrap();
-    let r = state.entry(name).or_default();
-    if query.split('&').any(|kv| kv == "watch=true") {
-        // A watch: a chunked body the test writes events into.
-        let (tx, rx) = mpsc::unbounded_channel::<Bytes>();
-        r.watches.push(tx);
-        let frames = futures::stream::unfold(rx, |mut rx| async move {
-            let chunk = rx.recv().await?;
-            Some((Ok::<_, Infallible>(Frame::data(chunk)), rx))
-        });
-        return Ok(Response::builder()
-            .header("content-type", "application/json")
-            .body(UnsyncBoxBody::new(StreamBody::new(frames)))
-            .unwrap());
-    }
-    r.lists += 1;
-    if r.failures > 0 {
-        r.failures -= 1;
-        return Ok(json(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            testdata("status-500.json"),
-        ));
-    }
-    Ok(json(StatusCode::OK, r.list.clone()))
+fn ratings_slice(endpoints: Vec<Endpoint>) -> EndpointSlice {
+    slice(NS, "ratings", "ratings-7lq4d", &[(None, 8080)], endpoints)
 }
 
-impl MockApi {
-    /// Serves the recorded lists (nodes.json, pods.json, services.json,
-    /// endpointslices.json) on `listener`.
-    fn serve(listener: std::net::TcpListener) -> MockApi {
-        let addr = listener.local_addr().unwrap();
-        let state: Shared = Arc::default();
-        {
-            let mut s = state.lock().unwrap();
-            for (name, file) in [
-                ("nodes", "nodes.json"),
-                ("pods", "pods.json"),
-                ("services", "services.json"),
-                ("endpointslices", "endpointslices.json"),
-            ] {
-                s.entry(name).or_default().list = testdata(file);
-            }
-        }
-        let stop = CancellationToken::new();
-        listener.set_nonblocking(true).unwrap();
-        let listener = tokio::net::TcpListener::from_std(listener).unwrap();
-        let (st, stopped) = (state.clone(), stop.clone());
-        tokio::spawn(async move {
-            loop {
-                let stream = tokio::select! {
-                    _ = stopped.cancelled() => return,
-                    a = listener.accept() => a.unwrap().0,
-                };
-                let st = st.clone();
-                let stopped = stopped.clone();
-                tokio::spawn(async move {
-                    let svc = service_fn(move |req| handle(st.clone(), req));
-                    let conn = http1::Builder::new().serve_connection(TokioIo::new(stream), svc);
-                    tokio::select! {
-                        _ = stopped.cancelled() => {}
-                        _ = conn => {}
-                    }
-                });
-            }
-        });
-        MockApi { addr, state, stop }
-    }
-
-    fn start() -> MockApi {
-        MockApi::serve(std::net::TcpListener::bind("127.0.0.1:0").unwrap())
-    }
-
-    fn client(addr: SocketAddr) -> kube::Client {
-        let config = kube::Config::new(format!("http://{addr}").parse().unwrap());
-        kube::Client::try_from(config).unwrap()
-    }
-
-    /// Replaces what lists of `resource` return from now on.
-    fn set_list(&self, resource: &'static str, file: &str) {
-        self.state.lock().unwrap().entry(resource).or_default().list = testdata(file);
-    }
-
-    /// Makes the next `n` lists of `resource` fail with a 500.
-    fn fail_lists(&self, resource: &'static str, n: usize) {
-        self.state
-            .lock()
-            .unwrap()
-            .entry(resource)
-            .or_default()
-            .failures = n;
-    }
-
-    fn lists(&self, resource: &'static str) -> usize {
-        self.state
-            .lock()
-            .unwrap()
-            .entry(resource)
-            .or_default()
-            .lists
-    }
-
-    /// Sends every line of `file` on the open watches of `resource`, waiting for the
-    /// watcher to have (re)opened one first.
-    async fn push(&self, resource: &'static str, file: &str) {
-        let text = testdata(file);
-        let start = std::time::Instant::now();
-        loop {
-            {
-                let mut s = self.state.lock().unwrap();
-                let r = s.entry(resource).or_default();
-                r.watches.retain(|w| !w.is_closed());
-                if !r.watches.is_empty() {
-                    for w in &r.watches {
-                        for line in text.lines() {
-                            let _ = w.send(Bytes::from(format!("{line}\n")));
-                        }
-                    }
-                    return;
-                }
-            }
-            assert!(start.elapsed() < WAIT, "no watch of {resource} was opened");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    }
-
-    /// Ends the open watches of `resource` (as an API server does at its timeout or when
-    /// a connection breaks).
-    fn close_watches(&self, resource: &'static str) {
-        self.state
-            .lock()
-            .unwrap()
-            .entry(resource)
-            .or_default()
-            .watches
-            .clear();
-    }
+fn reviews_slice(endpoints: Vec<Endpoint>) -> EndpointSlice {
+    slice(NS, "reviews", "reviews-x7k2c", &[(None, 9080)], endpoints)
 }
 
-impl Drop for MockApi {
-    fn drop(&mut self) {
-        self.stop.cancel();
-    }
+/// An endpoint of pod `name` on this node.
+fn here(name: &str, ip: &str, ready: bool) -> Endpoint {
+    endpoint(NS, name, ip, NODE, ready)
+}
+
+fn reviews_b() -> Endpoint {
+    endpoint(NS, REVIEWS_V1_B, "10.1.1.5", "node-b", true)
+}
+
+/// The cluster every test starts from: node-a (192.168.10.7, eu-west-1/eu-west-1a) and
+/// node-b; ratings running and ready on node-a, a reviews pod on node-b; the Services
+/// kubernetes, ratings and reviews, and the slices of the last two.
+fn bookinfo(api: &FakeApi) {
+    api.apply(&node_a("192.168.10.7"));
+    api.apply(&node("node-b", "192.168.10.9", "eu-west-1", "eu-west-1b"));
+    api.apply(&running(&scheduled(&ratings_pod(), NODE), "10.1.0.4", true));
+    let b = scheduled(&reviews_pod(REVIEWS_V1_B), "node-b");
+    api.apply(&running(&b, "10.1.1.5", true));
+    api.apply(&service("default", "kubernetes", &[], &[(443, port(6443))]));
+    api.apply(&ratings_service());
+    api.apply(&reviews_service());
+    api.apply(&ratings_slice(vec![here(RATINGS, "10.1.0.4", true)]));
+    api.apply(&reviews_slice(vec![reviews_b()]));
 }
 
 fn flags() -> NodeIdentity {
     NodeIdentity {
         cluster: "a".into(),
-        node: "node-a".into(),
+        node: NODE.into(),
         node_ip: None,
         region: String::new(),
         zone: String::new(),
@@ -257,7 +131,7 @@ fn source(
     let metrics = Metrics::unregistered();
     let mut config = kubernetes::Config::new(flags);
     config.settle = Duration::from_millis(20);
-    let rx = Source::new(MockApi::client(addr), config, metrics.clone()).spawn(stop.clone());
+    let rx = Source::new(fake_api::client(addr), config, metrics.clone()).spawn(stop.clone());
     (rx, metrics)
 }
 
@@ -290,9 +164,36 @@ fn ip(s: &str) -> Option<IpAddr> {
     Some(s.parse().unwrap())
 }
 
+/// The resourceVersions the watches of `K` started from, in order.
+fn watched_from<K: ListableResource>(api: &FakeApi) -> Vec<u64> {
+    let from = |r: &fake_api::Request| r.param("resourceVersion").unwrap().parse().unwrap();
+    api.watches::<K>().iter().map(from).collect()
+}
+
+/// How many watches of each kind were answered, in [`Watched::ALL`] order.
+fn watch_counts(api: &FakeApi) -> [usize; 4] {
+    [
+        api.watches::<Node>().len(),
+        api.watches::<Pod>().len(),
+        api.watches::<Service>().len(),
+        api.watches::<EndpointSlice>().len(),
+    ]
+}
+
+/// How many lists (pages) of each kind were answered, in [`Watched::ALL`] order.
+fn list_counts(api: &FakeApi) -> [usize; 4] {
+    [
+        api.lists::<Node>().len(),
+        api.lists::<Pod>().len(),
+        api.lists::<Service>().len(),
+        api.lists::<EndpointSlice>().len(),
+    ]
+}
+
 #[tokio::test]
 async fn pod_lifecycle_add_ready_unready_delete() {
-    let api = MockApi::start();
+    let api = FakeApi::start();
+    bookinfo(&api);
     let stop = CancellationToken::new();
     let (mut rx, metrics) = source(api.addr, flags(), &stop);
 
@@ -315,14 +216,22 @@ async fn pod_lifecycle_add_ready_unready_delete() {
     assert_eq!(ratings.service, "ratings");
     assert_eq!(ratings.pod_ip, "10.1.0.4".parse::<IpAddr>().unwrap());
     assert_eq!(ratings.service_account, "bookinfo-ratings");
-    assert_eq!(ratings.ports, vec![9080]);
+    assert_eq!(
+        ratings.ports,
+        vec![8080],
+        "the target port, not the service port 80"
+    );
     assert!(ratings.ready);
     assert!(!ratings.exported, "no waypoint.dev/export annotation");
 
-    // Added, pending, no IP yet: nothing to register.
+    // Created by its ReplicaSet, unscheduled: not in this node's pod watch (its field
+    // selector). Bound here, pending, no IP yet: seen, nothing to register.
     let computed = metrics.recomputes();
-    api.push("pods", "pod-added-pending.ndjson").await;
-    eventually("the pending pod's event", WAIT, || {
+    let reviews = reviews_pod(REVIEWS_V1);
+    api.apply(&reviews);
+    let reviews = scheduled(&reviews, NODE);
+    api.apply(&reviews);
+    eventually("the bound pod's event", WAIT, || {
         metrics.events(Watched::Pod, "apply") >= 1
     })
     .await;
@@ -335,57 +244,77 @@ async fn pod_lifecycle_add_ready_unready_delete() {
 
     // Running with an IP and ready in the slice: registered, ready, exported, the named
     // target port resolved through the container port.
-    api.push("pods", "pod-running-ready.ndjson").await;
-    api.push("endpointslices", "slice-reviews-ready.ndjson")
-        .await;
+    api.apply(&running(&reviews, "10.1.0.7", true));
+    api.apply(&reviews_slice(vec![
+        here(REVIEWS_V1, "10.1.0.7", true),
+        reviews_b(),
+    ]));
     let set = until(&mut rx, "reviews ready", |s| {
         pods(s) == [(RATINGS, true), (REVIEWS_V1, true)]
     })
     .await;
-    let reviews = &set.endpoints[1];
-    assert_eq!(reviews.service, "reviews");
-    assert_eq!(reviews.pod_ip, "10.1.0.7".parse::<IpAddr>().unwrap());
-    assert_eq!(reviews.service_account, "bookinfo-reviews");
-    assert_eq!(reviews.ports, vec![9080], "targetPort \"http\" resolved");
-    assert!(reviews.exported);
+    let reviews_ep = &set.endpoints[1];
+    assert_eq!(reviews_ep.service, "reviews");
+    assert_eq!(reviews_ep.pod_ip, "10.1.0.7".parse::<IpAddr>().unwrap());
+    assert_eq!(reviews_ep.service_account, "bookinfo-reviews");
+    assert_eq!(reviews_ep.ports, vec![9080], "targetPort \"http\" resolved");
+    assert!(reviews_ep.exported);
     assert_eq!(set.identity.node_ip, ip("192.168.10.7"));
     assert_eq!(metrics.desired(), 2);
+    assert_eq!(
+        metrics.events(Watched::Pod, "apply"),
+        2,
+        "bound and running; the unscheduled pod was never this node's"
+    );
 
     // Unready in the slice: still registered, ready=false (the split horizon counts it
     // as not_ready; the router skips it).
-    api.push("pods", "pod-unready.ndjson").await;
-    api.push("endpointslices", "slice-reviews-unready.ndjson")
-        .await;
+    api.apply(&running(&reviews, "10.1.0.7", false));
+    api.apply(&reviews_slice(vec![
+        here(REVIEWS_V1, "10.1.0.7", false),
+        reviews_b(),
+    ]));
     until(&mut rx, "reviews unready", |s| {
         pods(s) == [(RATINGS, true), (REVIEWS_V1, false)]
     })
     .await;
 
     // Deleted: gone.
-    api.push("pods", "pod-deleted.ndjson").await;
-    api.push("endpointslices", "slice-reviews-removed.ndjson")
-        .await;
+    api.delete(&reviews);
+    api.apply(&reviews_slice(vec![reviews_b()]));
     until(&mut rx, "reviews removed", |s| pods(s) == [(RATINGS, true)]).await;
-    assert!(metrics.events(Watched::Pod, "delete") >= 1);
-    assert_eq!(metrics.errors(Watched::Pod), 0);
+    assert_eq!(metrics.events(Watched::Pod, "delete"), 1);
+    for w in Watched::ALL {
+        assert_eq!(metrics.errors(w), 0, "{w:?}");
+        assert_eq!(metrics.relists(w), 0, "{w:?}");
+    }
+    assert_eq!(list_counts(&api), [1; 4], "listed once, then only watched");
     stop.cancel();
 }
 
 #[tokio::test]
 async fn node_ip_change_and_flag_precedence() {
-    let api = MockApi::start();
+    let api = FakeApi::start();
+    bookinfo(&api);
     let stop = CancellationToken::new();
-    let (mut rx, _) = source(api.addr, flags(), &stop);
+    let (mut rx, metrics) = source(api.addr, flags(), &stop);
     until(&mut rx, "the initial set", |s| {
         s.identity.node_ip == ip("192.168.10.7")
     })
     .await;
-    api.push("nodes", "node-ip-changed.ndjson").await;
+    // node-b changing is not this node's business: its watch does not even see it.
+    api.apply(&node("node-b", "192.168.10.99", "eu-west-1", "eu-west-1b"));
+    api.apply(&node_a("192.168.10.8"));
     let set = until(&mut rx, "the new node IP", |s| {
         s.identity.node_ip == ip("192.168.10.8")
     })
     .await;
     assert_eq!(pods(&set), vec![(RATINGS, true)], "same endpoints");
+    assert_eq!(
+        metrics.events(Watched::Node, "apply"),
+        1,
+        "node-a's change only"
+    );
 
     // --node-ip, --region and --zone win over the Node.
     let pinned = NodeIdentity {
@@ -400,9 +329,8 @@ async fn node_ip_change_and_flag_precedence() {
     assert_eq!(set.identity.region, "flag-region");
     assert_eq!(set.identity.zone, "flag-zone");
 
-    // A Node that does not exist (wrong --node-name): node IP unknown, pods still
-    // listed (none on that node name in a real API server; the mock ignores the field
-    // selector, and the pure function drops them).
+    // A Node that does not exist (wrong --node-name): node IP unknown, and no pods (the
+    // API server filters them by node name).
     let ghost = NodeIdentity {
         node: "node-zz".into(),
         ..flags()
@@ -411,23 +339,45 @@ async fn node_ip_change_and_flag_precedence() {
     let set = until(&mut rx, "the ghost node's set", |_| true).await;
     assert_eq!(set.identity.node_ip, None, "unknown: empty, never made up");
     assert!(set.endpoints.is_empty());
+    let selectors: Vec<_> = api
+        .lists::<Pod>()
+        .iter()
+        .filter_map(|r| r.param("fieldSelector").map(str::to_owned))
+        .collect();
+    assert!(
+        selectors.contains(&"spec.nodeName=node-zz".to_owned()),
+        "{selectors:?}"
+    );
     stop.cancel();
 }
 
 #[tokio::test]
-async fn gone_relists_and_converges() {
-    let api = MockApi::start();
+async fn watch_restart_after_compaction_relists_and_converges() {
+    let api = FakeApi::start();
+    bookinfo(&api);
     let stop = CancellationToken::new();
     let (mut rx, metrics) = source(api.addr, flags(), &stop);
     until(&mut rx, "the initial set", |s| pods(s) == [(RATINGS, true)]).await;
-    assert_eq!(api.lists("pods"), 1);
+    api.until_watching().await;
+    assert_eq!(list_counts(&api), [1; 4]);
 
-    // While the watches were behind, ratings went away and reviews-v2 came up: the API
-    // server answers the stale watches with 410 Gone, the relists bring the truth.
-    api.set_list("pods", "pods-relisted.json");
-    api.set_list("endpointslices", "endpointslices-relisted.json");
-    api.push("pods", "watch-gone.ndjson").await;
-    api.push("endpointslices", "watch-gone.ndjson").await;
+    // Cut off, while ratings is deleted and reviews-v2 comes up; then etcd compacts, so
+    // the watches cannot resume: the API server answers each with a 410 Gone, and only
+    // the relists can tell that ratings went (no watch ever carries its deletion).
+    let cut = api.partition();
+    let ratings = scheduled(&ratings_pod(), NODE);
+    api.delete(&ratings);
+    api.apply(&ratings_slice(vec![]));
+    let v2 = scheduled(&reviews_pod(REVIEWS_V2), NODE);
+    api.apply(&v2);
+    api.apply(&running(&v2, "10.1.0.9", true));
+    api.apply(&reviews_slice(vec![
+        here(REVIEWS_V2, "10.1.0.9", true),
+        reviews_b(),
+    ]));
+    api.compact();
+    drop(cut);
+
     let set = until(&mut rx, "the relisted set", |s| {
         pods(s) == [(REVIEWS_V2, true)]
     })
@@ -437,26 +387,191 @@ async fn gone_relists_and_converges() {
         "10.1.0.9".parse::<IpAddr>().unwrap()
     );
     assert_eq!(set.identity.node_ip, ip("192.168.10.7"));
-    assert!(api.lists("pods") >= 2, "pods were relisted");
-    assert!(metrics.errors(Watched::Pod) >= 1, "the 410 is counted");
-    assert!(metrics.errors(Watched::EndpointSlice) >= 1);
-    eventually("relists counted", WAIT, || {
-        metrics.relists(Watched::Pod) >= 1 && metrics.relists(Watched::EndpointSlice) >= 1
+    assert_eq!(
+        metrics.events(Watched::Pod, "delete"),
+        0,
+        "the deletion was learnt from the relist"
+    );
+    // Every kind was behind the compaction: each one's resumed watch got the 410, was
+    // counted as an error, and the kind relisted once.
+    eventually("every kind relisted", WAIT, || {
+        Watched::ALL.iter().all(|w| metrics.relists(*w) == 1)
+    })
+    .await;
+    let gone = |r: &[fake_api::Request]| r.iter().filter(|r| r.code == 410).count();
+    assert_eq!(gone(&api.watches::<Node>()), 1);
+    assert_eq!(gone(&api.watches::<Pod>()), 1);
+    assert_eq!(gone(&api.watches::<Service>()), 1);
+    assert_eq!(gone(&api.watches::<EndpointSlice>()), 1);
+    assert_eq!(list_counts(&api), [2; 4], "listed, then relisted once");
+    for w in Watched::ALL {
+        assert_eq!(metrics.errors(w), 1, "the 410 of {w:?}");
+    }
+
+    // After the relist the watches follow again, from the relist's version.
+    api.apply(&running(&v2, "10.1.0.9", false));
+    api.apply(&reviews_slice(vec![
+        here(REVIEWS_V2, "10.1.0.9", false),
+        reviews_b(),
+    ]));
+    until(&mut rx, "reviews-v2 unready", |s| {
+        pods(s) == [(REVIEWS_V2, false)]
+    })
+    .await;
+    stop.cancel();
+}
+
+#[tokio::test]
+async fn an_ended_watch_resumes_from_its_last_resource_version() {
+    let api = FakeApi::start();
+    bookinfo(&api);
+    let listed = api.resource_version();
+    let stop = CancellationToken::new();
+    let (mut rx, metrics) = source(api.addr, flags(), &stop);
+    until(&mut rx, "the initial set", |s| pods(s) == [(RATINGS, true)]).await;
+    api.until_watching().await;
+    assert_eq!(watched_from::<Pod>(&api), [listed], "the list's version");
+
+    let reviews = scheduled(&reviews_pod(REVIEWS_V1), NODE);
+    let bound = api.apply(&reviews);
+    eventually("the bound pod's event", WAIT, || {
+        metrics.events(Watched::Pod, "apply") == 1
     })
     .await;
 
-    // A watch that just ends (API server timeout, connection closed) is resumed from its
-    // resource version, without a relist, and keeps delivering.
-    let lists = api.lists("pods");
-    api.close_watches("pods");
-    api.push("pods", "pod-running-ready.ndjson").await;
-    api.push("endpointslices", "slice-reviews-ready.ndjson")
-        .await;
-    until(&mut rx, "reviews-v1 after the resumed watch", |s| {
-        pods(s).contains(&(REVIEWS_V1, true))
+    // The API server ends the pod watch (its timeout): resumed from the last event.
+    api.end_watches::<Pod>();
+    eventually("the pod watch resumed", WAIT, || {
+        api.watches::<Pod>().len() == 2
     })
     .await;
-    assert_eq!(api.lists("pods"), lists, "resumed, not relisted");
+    assert_eq!(watched_from::<Pod>(&api), [listed, bound]);
+
+    // Cut off while the pod runs and its slice says ready: every watch resumes from the
+    // last version it saw, and the API server replays what it missed.
+    let cut = api.partition();
+    api.apply(&running(&reviews, "10.1.0.7", true));
+    api.apply(&reviews_slice(vec![
+        here(REVIEWS_V1, "10.1.0.7", true),
+        reviews_b(),
+    ]));
+    drop(cut);
+    until(&mut rx, "reviews after the resumed watches", |s| {
+        pods(s) == [(RATINGS, true), (REVIEWS_V1, true)]
+    })
+    .await;
+    eventually("every watch resumed", WAIT, || {
+        watch_counts(&api) == [2, 3, 2, 2]
+    })
+    .await;
+    assert_eq!(watched_from::<Pod>(&api), [listed, bound, bound]);
+    assert_eq!(watched_from::<EndpointSlice>(&api), [listed, listed]);
+    assert_eq!(watched_from::<Node>(&api), [listed, listed]);
+    assert_eq!(list_counts(&api), [1; 4], "resumed, never relisted");
+    for w in Watched::ALL {
+        assert_eq!(metrics.relists(w), 0, "{w:?}");
+    }
+    stop.cancel();
+}
+
+#[tokio::test]
+async fn bookmarks_move_the_resume_point_and_leave_the_state_alone() {
+    let api = FakeApi::start();
+    bookinfo(&api);
+    let listed = api.resource_version();
+    let stop = CancellationToken::new();
+    let (mut rx, metrics) = source(api.addr, flags(), &stop);
+    let initial = until(&mut rx, "the initial set", |s| pods(s) == [(RATINGS, true)]).await;
+    api.until_watching().await;
+    for w in api.watches::<Pod>() {
+        assert_eq!(w.param("allowWatchBookmarks"), Some("true"), "{w:?}");
+    }
+
+    // The cluster moves on where this node's watches do not look (node-b's Node and
+    // pod); a bookmark tells them how far.
+    api.apply(&node("node-b", "192.168.10.9", "eu-west-1", "eu-west-1c"));
+    let b = scheduled(&reviews_pod(REVIEWS_V1_B), "node-b");
+    api.apply(&running(&b, "10.1.1.6", true));
+    let computed = metrics.recomputes();
+    api.bookmark();
+    let marked = api.resource_version();
+    assert!(marked > listed);
+
+    // Compacted past the lists: the watches resume from the bookmark, not from the
+    // lists' version, so nothing is gone and nothing relists.
+    let cut = api.partition();
+    api.compact();
+    drop(cut);
+    eventually("every watch resumed", WAIT, || watch_counts(&api) == [2; 4]).await;
+    assert_eq!(watched_from::<Node>(&api), [listed, marked]);
+    assert_eq!(watched_from::<Pod>(&api), [listed, marked]);
+    assert_eq!(watched_from::<Service>(&api), [listed, marked]);
+    assert_eq!(watched_from::<EndpointSlice>(&api), [listed, marked]);
+    assert!(api.watches::<Pod>().iter().all(|w| w.code == 200));
+    assert_eq!(list_counts(&api), [1; 4]);
+    for w in Watched::ALL {
+        assert_eq!(metrics.errors(w), 0, "{w:?}");
+        assert_eq!(metrics.relists(w), 0, "{w:?}");
+        assert_eq!(metrics.events(w, "apply"), 0, "{w:?}");
+        assert_eq!(metrics.events(w, "delete"), 0, "{w:?}");
+    }
+    assert_eq!(metrics.recomputes(), computed, "a bookmark changes nothing");
+    assert_eq!(rx.borrow().as_ref(), Some(&initial));
+
+    // And the resumed watches deliver.
+    api.apply(&node_a("192.168.10.8"));
+    until(&mut rx, "the new node IP", |s| {
+        s.identity.node_ip == ip("192.168.10.8")
+    })
+    .await;
+    stop.cancel();
+}
+
+#[tokio::test]
+async fn an_expired_list_continue_starts_the_list_again() {
+    // More Services than a page (the watcher asks 500 at a time): their namespace sorts
+    // before bookinfo, so bookinfo's come on the last page.
+    let api = FakeApi::start();
+    for i in 0..1000 {
+        let name = format!("filler-{i:04}");
+        api.apply(&service(
+            "a-filler",
+            &name,
+            &[("app", "filler")],
+            &[(80, port(8080))],
+        ));
+    }
+    bookinfo(&api);
+    // Between the first page and the next, ratings is exported and etcd compacts: the
+    // continue token expires (410) and the watcher lists from the start.
+    api.after_first_page::<Service>(|c| {
+        c.apply(&exported(&ratings_service()));
+        c.compact();
+    });
+    let stop = CancellationToken::new();
+    let (mut rx, metrics) = source(api.addr, flags(), &stop);
+    let set = until(&mut rx, "the first set", |_| true).await;
+    assert_eq!(
+        pods(&set),
+        [(RATINGS, true)],
+        "a Service of the last page selects it"
+    );
+    assert!(
+        set.endpoints[0].exported,
+        "nothing is published from the expired list"
+    );
+    assert_eq!(
+        metrics.events(Watched::Service, "apply"),
+        0,
+        "the export came in with the second list"
+    );
+    let lists = api.lists::<Service>();
+    let expired: Vec<_> = lists.iter().filter(|r| r.code == 410).collect();
+    assert_eq!(expired.len(), 1, "{lists:#?}");
+    assert!(expired[0].param("continue").is_some());
+    assert_eq!(lists.len(), 5, "a page, the expired page, then three pages");
+    assert!(lists.iter().all(|r| r.param("limit") == Some("500")));
+    assert!(metrics.errors(Watched::Service) >= 1);
     stop.cancel();
 }
 
@@ -476,15 +591,18 @@ async fn api_errors_back_off_and_converge() {
     assert!(rx.borrow().is_none(), "nothing published before the lists");
 
     // Up, but the services list fails with a 500 twice: the others are listed, the
-    // services retried with backoff, then everything converges.
-    let api = MockApi::serve(std::net::TcpListener::bind(addr).unwrap());
-    api.fail_lists("services", 2);
+    // services retried with backoff, then everything converges. (The test's runtime
+    // has one thread: nothing is served before the objects are in.)
+    let api = FakeApi::serve(std::net::TcpListener::bind(addr).unwrap());
+    bookinfo(&api);
+    api.fail_lists::<Service>(2);
     let set = until(&mut rx, "the set after the outage", |s| {
         pods(s) == [(RATINGS, true)]
     })
     .await;
     assert_eq!(set.identity.node_ip, ip("192.168.10.7"));
-    assert!(api.lists("services") >= 3, "two 500s, then a good list");
+    let codes: Vec<_> = api.lists::<Service>().iter().map(|r| r.code).collect();
+    assert_eq!(codes, [500, 500, 200], "two 500s, then a good list");
     assert!(metrics.errors(Watched::Service) >= 3, "refused, 500, 500");
     stop.cancel();
 }
@@ -525,7 +643,8 @@ async fn etcd_until(etcd: &Etcd, what: &str, want: &[(&str, Option<IpAddr>, bool
 #[tokio::test]
 async fn registers_into_etcd_with_the_node_ip() {
     let etcd = Etcd::start(7).await;
-    let api = MockApi::start();
+    let api = FakeApi::start();
+    bookinfo(&api);
     let stop = CancellationToken::new();
     let (rx, _) = source(api.addr, flags(), &stop);
     let registry_metrics = RegistryMetrics::unregistered();
@@ -549,9 +668,12 @@ async fn registers_into_etcd_with_the_node_ip() {
     );
     assert_eq!(rec.zone, "eu-west-1a");
 
-    api.push("pods", "pod-running-ready.ndjson").await;
-    api.push("endpointslices", "slice-reviews-ready.ndjson")
-        .await;
+    let reviews = running(&scheduled(&reviews_pod(REVIEWS_V1), NODE), "10.1.0.7", true);
+    api.apply(&reviews);
+    api.apply(&reviews_slice(vec![
+        here(REVIEWS_V1, "10.1.0.7", true),
+        reviews_b(),
+    ]));
     etcd_until(
         &etcd,
         "ratings and reviews",
@@ -561,7 +683,7 @@ async fn registers_into_etcd_with_the_node_ip() {
 
     // The node's InternalIP changes: every record is rewritten with the new one.
     let new = ip("192.168.10.8");
-    api.push("nodes", "node-ip-changed.ndjson").await;
+    api.apply(&node_a("192.168.10.8"));
     etcd_until(
         &etcd,
         "the new node IP everywhere",
@@ -569,9 +691,8 @@ async fn registers_into_etcd_with_the_node_ip() {
     )
     .await;
 
-    api.push("pods", "pod-deleted.ndjson").await;
-    api.push("endpointslices", "slice-reviews-removed.ndjson")
-        .await;
+    api.delete(&reviews);
+    api.apply(&reviews_slice(vec![reviews_b()]));
     etcd_until(&etcd, "reviews deleted", &[(RATINGS, new, true, false)]).await;
     assert_eq!(registry_metrics.lease_grants(), 1);
 
