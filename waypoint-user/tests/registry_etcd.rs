@@ -6,6 +6,7 @@
 // Only the etcd harness is needed; included by path so that tests/common/mod.rs (shared
 // by the other test binaries) stays as it is.
 #[path = "common/etcd.rs"]
+#[allow(dead_code, reason = "the harness serves several test binaries")]
 mod etcd_harness;
 
 use std::{collections::BTreeMap, net::IpAddr, time::Duration};

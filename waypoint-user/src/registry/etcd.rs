@@ -48,6 +48,12 @@ pub enum Error {
     /// No endpoint URL.
     #[error("no etcd endpoint: use --registry etcd:http://HOST:2379[,http://HOST2:2379...]")]
     NoEndpoints,
+    /// No endpoint completed a connection, TLS handshake and one request.
+    #[error(
+        "no etcd endpoint answered ({0}); check the URLs and, for https, --etcd-ca and \
+         --etcd-cert/--etcd-key (etcd may require a client certificate)"
+    )]
+    Unreachable(String),
     /// An etcd request failed.
     #[error("etcd: {0}")]
     Etcd(#[from] etcd_client::Error),
@@ -172,8 +178,43 @@ impl Connector {
         &self.endpoints
     }
 
-    /// Opens a client.
+    /// Opens a client on one endpoint that answers, trying them in turn from a random one
+    /// (which spreads the nodes over the members). The client stays on that member: when
+    /// it goes, the caller's session fails and the next `connect` picks another.
+    ///
+    /// Why not one client balanced over every endpoint: tonic connects lazily, and its
+    /// balancer counts an endpoint whose connection failed as ready, sends it the next
+    /// request and returns the error. A refused connection fails sooner than a live
+    /// member's handshake completes, so with one member down the first request of every
+    /// fresh client went to the dead one: the registrar never registered, and one-shot
+    /// tools failed (tests/registry_etcd_tls.rs).
     pub async fn connect(&self) -> Result<Client, Error> {
+        let first = rand::random_range(0..self.endpoints.len());
+        let mut failures = Vec::new();
+        for url in self
+            .endpoints
+            .iter()
+            .cycle()
+            .skip(first)
+            .take(self.endpoints.len())
+        {
+            match self.connect_to(url).await {
+                Ok(client) => return Ok(client),
+                Err(cause) => {
+                    debug!(url, cause, "registry: etcd endpoint did not answer");
+                    failures.push(format!("{url}: {cause}"));
+                }
+            }
+        }
+        Err(Error::Unreachable(failures.join("; ")))
+    }
+
+    /// A client of `url` that has answered a request, or why not. The request is what
+    /// makes the connection and the TLS handshake happen here (tonic connects lazily).
+    /// The whole is bounded: tonic bounds neither the TLS handshake nor the wait for a
+    /// connection, so a member that accepts and then says nothing (hung, or not etcd)
+    /// would hold the caller for ever.
+    async fn connect_to(&self, url: &str) -> Result<Client, String> {
         let mut opts = ConnectOptions::new()
             .with_connect_timeout(CONNECT_TIMEOUT)
             .with_timeout(REQUEST_TIMEOUT)
@@ -182,8 +223,36 @@ impl Connector {
         if let Some(tls) = &self.tls {
             opts = opts.with_tls(tls.clone());
         }
-        Ok(Client::connect(&self.endpoints, Some(opts)).await?)
+        let probe = async {
+            let mut client = Client::connect([url], Some(opts)).await?;
+            // Status needs no key permission and no quorum: it asks only "are you there".
+            client.status().await?;
+            Ok::<_, etcd_client::Error>(client)
+        };
+        match tokio::time::timeout(REQUEST_TIMEOUT, probe).await {
+            Ok(Ok(client)) => Ok(client),
+            Ok(Err(e)) => Err(root_cause(&e)),
+            Err(_) => Err(format!("no answer within {REQUEST_TIMEOUT:?}")),
+        }
     }
+}
+
+/// The innermost cause of a connection failure: "Connection refused (os error 111)",
+/// "invalid peer certificate: UnknownIssuer", "received fatal alert: BadCertificate".
+/// etcd_client's own text wraps it in gRPC and transport debug output.
+fn root_cause(e: &etcd_client::Error) -> String {
+    let mut cause: &dyn std::error::Error = match e {
+        etcd_client::Error::GRpcStatus(status) if std::error::Error::source(status).is_none() => {
+            return status.message().to_owned()
+        }
+        etcd_client::Error::GRpcStatus(status) => status,
+        etcd_client::Error::TransportError(transport) => transport,
+        other => return other.to_string(),
+    };
+    while let Some(next) = cause.source() {
+        cause = next;
+    }
+    cause.to_string()
 }
 
 fn backoff() -> ExponentialBuilder {
