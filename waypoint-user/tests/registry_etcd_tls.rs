@@ -57,6 +57,7 @@ fn endpoint(cluster: &str, node: &str, pod: &str, ip: &str) -> Endpoint {
         node_ip: Some("192.168.20.1".parse().unwrap()),
         service_account: "reviews".into(),
         ports: vec![9080],
+        service_ports: Vec::new(),
         ready: true,
         exported: true,
     }
@@ -70,6 +71,7 @@ fn local(pod: &str, ip: &str) -> LocalEndpoint {
         pod_name: pod.into(),
         service_account: "reviews".into(),
         ports: vec![9080],
+        service_ports: Vec::new(),
         ready: true,
         exported: true,
     }
