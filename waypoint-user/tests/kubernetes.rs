@@ -3,7 +3,9 @@
 //! while the source runs. As on a real API server, every write moves the
 //! resourceVersion, watches resume from the last version they saw, bookmarks move it, a
 //! compacted history answers a watch or a list page with 410 Gone, and field selectors
-//! filter. One test goes on into a real etcd through the Registrar.
+//! filter. Two tests go on into a real etcd through the Registrar; one of them on through
+//! a daemon watching it, the split-horizon view, the Envoy configuration and a routed
+//! connection.
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 #[path = "common/etcd.rs"]
 #[allow(dead_code, reason = "the harness serves several test binaries")]
@@ -700,4 +702,189 @@ async fn registers_into_etcd_with_the_node_ip() {
     stop.cancel();
     registering.await.unwrap();
     etcd_until(&etcd, "nothing after the revoke", &[]).await;
+}
+
+#[derive(clap::Parser)]
+struct DaemonArgs {
+    #[command(flatten)]
+    config: waypoint::config::Config,
+}
+
+/// A Service whose port (80) differs from its named target port (`http`, 8080 on the
+/// pod), end to end: the Kubernetes source registers the mapping into etcd; a daemon
+/// watching etcd resolves `web.bookinfo:80` for another cluster to this node's waypoint
+/// with the SNI of pod port 8080; the Envoy configuration dials it with that SNI; and a
+/// ClientHello with it, sent to the daemon's tunnel, reaches the pod unchanged. The pod
+/// port alone (8080) names no service port.
+#[tokio::test]
+async fn a_service_port_reaches_the_pod_port_behind_it_end_to_end() {
+    use clap::Parser as _;
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    use waypoint::horizon::{self, Mode, Query, Viewer};
+
+    let etcd = Etcd::start(8).await;
+    let api = FakeApi::start();
+    // The pod's inbound, on a loopback address of its own.
+    let pod_inbound = tokio::net::TcpListener::bind("127.0.0.2:0").await.unwrap();
+    let pod_port = pod_inbound.local_addr().unwrap().port().to_string();
+    api.apply(&node_a("127.0.0.1"));
+    let web = pod(NS, "web-1", &[("app", "web")], "web", &[("http", 8080)]);
+    api.apply(&running(&scheduled(&web, NODE), "127.0.0.2", true));
+    api.apply(&exported(&service(
+        NS,
+        "web",
+        &[("app", "web")],
+        &[(80, named("http"))],
+    )));
+    api.apply(&slice(
+        NS,
+        "web",
+        "web-5fz8q",
+        &[(None, 8080)],
+        vec![here("web-1", "127.0.0.2", true)],
+    ));
+    let stop = CancellationToken::new();
+    let (rx, _) = source(api.addr, flags(), &stop);
+    let registrar = Registrar::new(
+        connector(&etcd),
+        flags(),
+        LocalSource::Watch(rx),
+        Duration::from_secs(5),
+        RegistryMetrics::unregistered(),
+    );
+    let registering = tokio::spawn(registrar.run(stop.clone()));
+
+    let registry = etcd.location();
+    let argv = [
+        "waypoint",
+        "--tunnel-addr",
+        "127.0.0.1:0",
+        "--admin-addr",
+        "127.0.0.1:0",
+        "--dataplane",
+        "copy",
+        "--cluster",
+        "a",
+        "--node-name",
+        NODE,
+        "--registry",
+        &registry,
+        "--pod-port",
+        &pod_port,
+    ];
+    let app = waypoint::app::App::start(DaemonArgs::try_parse_from(argv).unwrap().config)
+        .await
+        .unwrap();
+    eventually("the pod's record in the daemon's store", WAIT, || {
+        app.store.snapshot().all().any(|e| e.pod_name == "web-1")
+    })
+    .await;
+    let endpoints: Vec<waypoint::model::Endpoint> =
+        app.store.snapshot().all().map(|e| (**e).clone()).collect();
+    let web_rec = &endpoints[0];
+    assert_eq!(web_rec.ports, vec![8080]);
+    assert_eq!(web_rec.target_port(80), Some(8080));
+
+    // Cluster b's view of service port 80: this node's waypoint, SNI of pod port 8080.
+    let viewer = Viewer {
+        cluster: "b".into(),
+        node: "b-1".into(),
+        region: String::new(),
+        zone: String::new(),
+        mode: Mode::CrossCluster,
+        mesh_domain: "mesh.local".into(),
+        tunnel_port: app.tunnel_addr.port(),
+        pod_port: 15008,
+    };
+    let query: Query = "web.bookinfo:80".parse().unwrap();
+    let view = horizon::resolve(&viewer, &query, &endpoints);
+    let sni = "8080.web.bookinfo.mesh.local";
+    let dials: Vec<(String, &str)> = view
+        .endpoints
+        .iter()
+        .map(|t| (t.address.to_string(), t.sni.as_str()))
+        .collect();
+    assert_eq!(dials, vec![(app.tunnel_addr.to_string(), sni)]);
+    let by_pod_port: Query = "web.bookinfo:8080".parse().unwrap();
+    assert!(horizon::resolve(&viewer, &by_pod_port, &endpoints)
+        .endpoints
+        .is_empty());
+
+    // The source side's Envoy: the endpoint names the socket whose SNI is that.
+    let config = waypoint::envoy::Config {
+        trust_domain: "cluster.local".into(),
+        sds_cluster: "spire_agent".into(),
+        source_key: "envoy.network.namespace".into(),
+        sources: vec!["/var/run/netns/cni-1=shop/client".parse().unwrap()],
+        connect_timeout: Duration::from_secs(1),
+    };
+    let boot = waypoint::envoy::generate(&config, &viewer, &query, &endpoints)
+        .unwrap()
+        .bootstrap;
+    let cluster = &boot["static_resources"]["clusters"][0];
+    let lb = &cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0];
+    assert_eq!(
+        lb["metadata"]["filter_metadata"]["envoy.lb"]["socket"],
+        "waypoint:8080"
+    );
+    let socket = cluster["transport_socket_matches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"] == "waypoint:8080/shop/client")
+        .unwrap();
+    assert_eq!(socket["transport_socket"]["typed_config"]["sni"], sni);
+
+    // The routed connection: the hello reaches the pod unchanged, the answer comes back.
+    let hello = fake_hello(sni);
+    let mut client = tokio::net::TcpStream::connect(app.tunnel_addr)
+        .await
+        .unwrap();
+    client.write_all(&hello).await.unwrap();
+    let (mut pod_side, _) = tokio::time::timeout(WAIT, pod_inbound.accept())
+        .await
+        .expect("the waypoint dialed the pod")
+        .unwrap();
+    let mut got = vec![0u8; hello.len()];
+    pod_side.read_exact(&mut got).await.unwrap();
+    assert_eq!(got, hello);
+    pod_side.write_all(b"served").await.unwrap();
+    let mut answer = [0u8; 6];
+    client.read_exact(&mut answer).await.unwrap();
+    assert_eq!(&answer, b"served");
+    drop((client, pod_side));
+
+    app.shutdown().await;
+    stop.cancel();
+    registering.await.unwrap();
+}
+
+/// A minimal TLS 1.3-style ClientHello record carrying `sni` (what the router reads; the
+/// rest of the handshake is the pod's).
+fn fake_hello(sni: &str) -> Vec<u8> {
+    let name = sni.as_bytes();
+    let mut sni_ext = Vec::new();
+    let list_len = u16::try_from(name.len() + 3).unwrap();
+    sni_ext.extend_from_slice(&list_len.to_be_bytes());
+    sni_ext.push(0);
+    sni_ext.extend_from_slice(&u16::try_from(name.len()).unwrap().to_be_bytes());
+    sni_ext.extend_from_slice(name);
+    let mut exts = Vec::new();
+    exts.extend_from_slice(&0u16.to_be_bytes());
+    exts.extend_from_slice(&u16::try_from(sni_ext.len()).unwrap().to_be_bytes());
+    exts.extend_from_slice(&sni_ext);
+    let mut body = vec![0x03, 0x03];
+    body.extend_from_slice(&[7u8; 32]); // random
+    body.push(0); // session id
+    body.extend_from_slice(&[0x00, 0x02, 0x13, 0x01]); // one cipher suite
+    body.extend_from_slice(&[0x01, 0x00]); // null compression
+    body.extend_from_slice(&u16::try_from(exts.len()).unwrap().to_be_bytes());
+    body.extend_from_slice(&exts);
+    let mut handshake = vec![0x01];
+    handshake.extend_from_slice(&u32::try_from(body.len()).unwrap().to_be_bytes()[1..]);
+    handshake.extend_from_slice(&body);
+    let mut record = vec![0x16, 0x03, 0x01];
+    record.extend_from_slice(&u16::try_from(handshake.len()).unwrap().to_be_bytes());
+    record.extend_from_slice(&handshake);
+    record
 }
