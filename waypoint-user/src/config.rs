@@ -10,6 +10,36 @@ use std::{
 
 use crate::{dataplane, horizon, registry, router};
 
+/// The tunnel listener's port when `--tunnel-addr` gives none.
+pub const DEFAULT_TUNNEL_PORT: u16 = 15443;
+/// The admin server's port when `--admin-addr` gives none.
+pub const DEFAULT_ADMIN_PORT: u16 = 15021;
+
+/// A listen address: `IP:PORT`, `[IPv6]:PORT`, or an IP alone (either family), which
+/// takes `default_port`. The DaemonSet passes the node IP as the kubelet reports it, with
+/// no port: `$(NODE_IP):PORT` would need brackets on an IPv6 node and none on IPv4.
+fn listen_addr(s: &str, default_port: u16) -> Result<SocketAddr, String> {
+    if let Ok(addr) = s.parse::<SocketAddr>() {
+        return Ok(addr);
+    }
+    if let Ok(ip) = s.parse::<IpAddr>() {
+        return Ok(SocketAddr::new(ip, default_port));
+    }
+    Err(format!(
+        "{s:?} is not IP, IP:PORT or [IPv6]:PORT (an IPv6 address with a port needs brackets)"
+    ))
+}
+
+/// `--tunnel-addr`: see [`listen_addr`].
+pub fn parse_tunnel_addr(s: &str) -> Result<SocketAddr, String> {
+    listen_addr(s, DEFAULT_TUNNEL_PORT)
+}
+
+/// `--admin-addr`: see [`listen_addr`].
+pub fn parse_admin_addr(s: &str) -> Result<SocketAddr, String> {
+    listen_addr(s, DEFAULT_ADMIN_PORT)
+}
+
 /// Parses durations such as `30s`, `500ms`, `2m`, `1h`, or a bare number of seconds.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
@@ -69,8 +99,9 @@ pub fn parse_socket_buffer(s: &str) -> Result<u64, String> {
 #[derive(Clone, Debug, clap::Args)]
 pub struct Config {
     /// Address of the tunnel listener: where other clusters' sources connect. On a node,
-    /// `<node_ip>:<tunnel-port>` (the daemon runs in the host network).
-    #[arg(long, env = "WAYPOINT_TUNNEL_ADDR", default_value = "0.0.0.0:15443")]
+    /// the node IP (the daemon runs in the host network). `IP:PORT`, `[IPv6]:PORT`, or an
+    /// IP alone (IPv4 or IPv6), which listens on port 15443.
+    #[arg(long, env = "WAYPOINT_TUNNEL_ADDR", default_value = "0.0.0.0:15443", value_parser = parse_tunnel_addr)]
     pub tunnel_addr: SocketAddr,
 
     /// Name of this node's cluster. Only this cluster's pods are ever routed to.
@@ -311,8 +342,9 @@ pub struct Config {
     pub stall_after: Duration,
 
     /// Address of the admin HTTP server: /metrics (Prometheus), /healthz (liveness),
-    /// /readyz (readiness). Separate from the tunnel port.
-    #[arg(long, env = "WAYPOINT_ADMIN_ADDR", default_value = "127.0.0.1:15021")]
+    /// /readyz (readiness). Separate from the tunnel port. `IP:PORT`, `[IPv6]:PORT`, or an
+    /// IP alone, which listens on port 15021.
+    #[arg(long, env = "WAYPOINT_ADMIN_ADDR", default_value = "127.0.0.1:15021", value_parser = parse_admin_addr)]
     pub admin_addr: SocketAddr,
 }
 
@@ -419,6 +451,26 @@ impl Config {
 mod tests {
     #![allow(clippy::unwrap_used, reason = "tests")]
     use super::*;
+
+    #[test]
+    fn listen_addresses_take_an_ip_alone_of_either_family() {
+        let tunnel = |s: &str| parse_tunnel_addr(s);
+        assert_eq!(tunnel("192.0.2.1"), Ok("192.0.2.1:15443".parse().unwrap()));
+        assert_eq!(tunnel("192.0.2.1:9"), Ok("192.0.2.1:9".parse().unwrap()));
+        assert_eq!(
+            tunnel("2001:db8::1"),
+            Ok("[2001:db8::1]:15443".parse().unwrap())
+        );
+        assert_eq!(
+            tunnel("[2001:db8::1]:9"),
+            Ok("[2001:db8::1]:9".parse().unwrap())
+        );
+        assert_eq!(parse_admin_addr("::"), Ok("[::]:15021".parse().unwrap()));
+        for bad in ["", "node-1", "192.0.2.1:99999", "2001:db8::1:15443x"] {
+            let err = tunnel(bad).unwrap_err();
+            assert!(err.contains("needs brackets"), "{bad}: {err}");
+        }
+    }
 
     #[test]
     fn durations() {

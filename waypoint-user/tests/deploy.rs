@@ -131,13 +131,17 @@ fn config_from_env(vars: &BTreeMap<String, String>) -> Config {
 
 /// The container's environment with downward-API values filled in as kubelet would.
 fn environment(c: &Container, cm: &ConfigMap) -> BTreeMap<String, String> {
+    environment_on(c, cm, "192.0.2.10")
+}
+
+/// [`environment`] on a node whose IP (`status.hostIP`) is `node_ip`.
+fn environment_on(c: &Container, cm: &ConfigMap, node_ip: &str) -> BTreeMap<String, String> {
     let mut vars = BTreeMap::new();
     for from in c.env_from.as_ref().unwrap() {
         let name = &from.config_map_ref.as_ref().unwrap().name;
         assert_eq!(name, cm.metadata.name.as_ref().unwrap());
         vars.extend(cm.data.clone().unwrap());
     }
-    let node_ip = "192.0.2.10";
     for e in c.env.as_ref().unwrap() {
         let value = match (&e.value, &e.value_from) {
             (Some(v), None) => v.replace("$(WAYPOINT_NODE_IP)", node_ip),
@@ -264,6 +268,12 @@ fn environment_is_the_daemons_flags() {
     assert!(
         matches!(config.registry, Some(registry::Location::Etcd(ref urls)) if urls.iter().all(|u| u.starts_with("https://")))
     );
+
+    // The same manifest on an IPv6 node: the listeners bind its address, on their ports.
+    let config = config_from_env(&environment_on(&c, &cm, "2001:db8::10"));
+    assert_eq!(config.node_ip, Some("2001:db8::10".parse().unwrap()));
+    assert_eq!(config.tunnel_addr, "[2001:db8::10]:15443".parse().unwrap());
+    assert_eq!(config.admin_addr, "[2001:db8::10]:15021".parse().unwrap());
 }
 
 #[test]

@@ -209,6 +209,76 @@ async fn routes_to_a_local_pod_with_copy() {
     routes_through("copy", "127.1.0.3", 15008).await;
 }
 
+/// An IPv6 underlay: the tunnel on `[::1]`, the pod at `::1`, the registry's pod IP in
+/// IPv6. Every dataplane carries a routed connection's bytes unchanged; the rewrite splice
+/// handles IPv4 only and leaves an IPv6 connection to the SockHash redirect.
+async fn routes_over_ipv6(dataplane: &str, extra: &[&str], pod_port: u16) {
+    let _pod = echo_pod("::1", pod_port).await;
+    let file = reviews_at("::1");
+    let port_s = pod_port.to_string();
+    let mut args = vec![
+        "--tunnel-addr",
+        "[::1]:0",
+        "--admin-addr",
+        "[::1]:0",
+        "--dataplane",
+        dataplane,
+        "--pod-port",
+        &port_s,
+    ];
+    args.extend_from_slice(extra);
+    let app = start(&file, &args).await;
+    assert!(app.tunnel_addr.is_ipv6(), "{}", app.tunnel_addr);
+    let mut payload = vec![0u8; 1 << 20];
+    rand::rngs::StdRng::seed_from_u64(6).fill_bytes(&mut payload);
+    let hello = hello_for("8080.reviews.bookinfo.mesh.local");
+    echo_through(app.tunnel_addr, &hello, &payload).await;
+    // One that crosses --splice-after and goes quiet both ways: the eBPF dataplane moves
+    // it into the kernel.
+    echo_after_a_pause(app.tunnel_addr, &hello, &payload[..64 << 10], &payload).await;
+    let admin = app.admin_addr;
+    let closed = async {
+        while sample(admin, "waypoint_connections_closed_total{end=\"closed\"}").await < 2.0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(WAIT, closed)
+        .await
+        .expect("both connections counted as closed");
+    if dataplane == "ebpf" {
+        let moved = "waypoint_ebpf_connections_total{path=\"moved\"}";
+        assert!(
+            sample(admin, moved).await >= 1.0,
+            "an IPv6 connection moved into the kernel"
+        );
+    }
+    if extra.contains(&"--rewrite-splice") {
+        let refused = "waypoint_rewrite_connections_total{result=\"refused_not_ipv4\"}";
+        assert!(sample(admin, refused).await >= 1.0, "counted as not IPv4");
+    }
+    app.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routes_over_ipv6_with_copy() {
+    routes_over_ipv6("copy", &[], 15101).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routes_over_ipv6_with_splice() {
+    routes_over_ipv6("splice", &[], 15102).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routes_over_ipv6_with_ebpf() {
+    routes_over_ipv6("ebpf", &[], 15103).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routes_over_ipv6_with_ebpf_and_the_rewrite_splice() {
+    routes_over_ipv6("ebpf", &["--rewrite-splice"], 15104).await;
+}
+
 /// Every kind of bad input gets its own counted rejection, within its deadline, while a
 /// long transfer on the same waypoint completes intact.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
