@@ -449,17 +449,22 @@ impl AsFd for Socket {
     }
 }
 
-/// Writes what `sock` takes now of `buf`, retrying interrupted writes; returns how much
-/// went (less than all when the socket would block).
-pub(super) fn write_all_now(sock: &impl AsFd, buf: &[u8]) -> io::Result<usize> {
+/// Writes what `sock` takes now of `buf`, retrying interrupted writes, and never waits:
+/// the one "as much as goes at once" write of the dataplanes. Returns how much went:
+/// less than all when the socket would block, or when an error came after some bytes
+/// went (those bytes are on their way; the error comes back on the next write). An error
+/// before any byte went is returned.
+pub(crate) fn write_all_now(sock: &impl AsFd, buf: &[u8]) -> io::Result<usize> {
     let mut done = 0;
     while done < buf.len() {
         match write_now(sock, &buf[done..]) {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(0) if done == 0 => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(0) => break,
             Ok(n) => done += n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-            Err(e) => return Err(e),
+            Err(e) if done == 0 => return Err(e),
+            Err(_) => break,
         }
     }
     Ok(done)

@@ -34,7 +34,7 @@ use crate::dataplane::{
     copy::{self, copy, Copied},
     drive, fin_sent, queued, read_now, resets_on_close, shutdown_write,
     stall::Watchdog,
-    tcp_info, unsent_or_unacked, End, Kind, Limits, Outcome, TCP_CLOSE,
+    tcp_info, unsent_or_unacked, write_all_now, End, Kind, Limits, Outcome, TCP_CLOSE,
 };
 
 use super::direction::Direction;
@@ -747,7 +747,10 @@ pub(super) fn settle(down: &TcpStream, up: &TcpStream) -> io::Result<Settled> {
         if d.is_empty() && u.is_empty() {
             break;
         }
-        let (dn, un) = (write_now(up, &d), write_now(down, &u));
+        // An error stops a direction's write too: the direction meets it again when it
+        // writes the rest, and reports it the usual way.
+        let now = |sock: &TcpStream, buf: &[u8]| write_all_now(sock, buf).unwrap_or(0);
+        let (dn, un) = (now(up, &d), now(down, &u));
         s.d2u += dn as u64;
         s.u2d += un as u64;
         if dn < d.len() || un < u.len() {
@@ -759,19 +762,6 @@ pub(super) fn settle(down: &TcpStream, up: &TcpStream) -> io::Result<Settled> {
         }
     }
     Ok(s)
-}
-
-/// Writes as much of `buf` as `sock` takes without waiting. An error stops it too: the
-/// direction meets it again when it writes the rest, and reports it the usual way.
-pub(super) fn write_now(sock: &TcpStream, buf: &[u8]) -> usize {
-    let mut n = 0;
-    while n < buf.len() {
-        match sock.try_write(&buf[n..]) {
-            Ok(0) | Err(_) => break,
-            Ok(w) => n += w,
-        }
-    }
-    n
 }
 
 /// Sets SO_RCVLOWAT to 1 (its default). The kernel then checks at once whether the socket
