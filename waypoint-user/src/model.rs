@@ -110,6 +110,36 @@ pub enum PortError {
     Twice(u16),
 }
 
+/// An endpoint of a file whose ports do not hold together ([`check_each`]).
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("endpoint {index} ({service}.{namespace}): {source}")]
+pub struct BadPorts {
+    /// Its position in the file, from 0.
+    pub index: usize,
+    /// Its service.
+    pub service: String,
+    /// Its namespace.
+    pub namespace: String,
+    /// What is wrong.
+    pub source: PortError,
+}
+
+/// [`check_ports`] on each of a file's endpoints, given as (service, namespace, ports,
+/// service ports): the first that fails.
+pub fn check_each<'a>(
+    endpoints: impl IntoIterator<Item = (&'a str, &'a str, &'a [u16], &'a [ServicePort])>,
+) -> Result<(), BadPorts> {
+    for (index, (service, namespace, ports, service_ports)) in endpoints.into_iter().enumerate() {
+        check_ports(ports, service_ports).map_err(|source| BadPorts {
+            index,
+            service: service.to_owned(),
+            namespace: namespace.to_owned(),
+            source,
+        })?;
+    }
+    Ok(())
+}
+
 /// Checks an endpoint's `ports` and `service_ports` (see [`Endpoint`]).
 pub fn check_ports(ports: &[u16], service_ports: &[ServicePort]) -> Result<(), PortError> {
     if ports.contains(&0)

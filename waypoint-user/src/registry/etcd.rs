@@ -83,18 +83,12 @@ pub enum Error {
         source: serde_json::Error,
     },
     /// An endpoint of the local endpoints file has ports that do not hold together.
-    #[error("local endpoints file {path}: endpoint {index} ({service}.{namespace}): {source}")]
+    #[error("local endpoints file {path}: {source}")]
     LocalPorts {
         /// The file.
         path: PathBuf,
-        /// The endpoint's position in the file, from 0.
-        index: usize,
-        /// Its service.
-        service: String,
-        /// Its namespace.
-        namespace: String,
-        /// What is wrong.
-        source: crate::model::PortError,
+        /// Which endpoint, and what is wrong.
+        source: crate::model::BadPorts,
     },
     /// A key passed to a tool is outside the root.
     #[error("{0:?} is not under the registry root {root}", root = record::ROOT)]
@@ -534,17 +528,14 @@ pub fn load_local(path: &Path) -> Result<LocalDocument, Error> {
         path: path.to_owned(),
         source,
     })?;
-    for (index, e) in doc.endpoints.iter().enumerate() {
-        crate::model::check_ports(&e.ports, &e.service_ports).map_err(|source| {
-            Error::LocalPorts {
-                path: path.to_owned(),
-                index,
-                service: e.service.clone(),
-                namespace: e.namespace.clone(),
-                source,
-            }
-        })?;
-    }
+    let each = doc.endpoints.iter().map(|e| {
+        let (svc, ns) = (e.service.as_str(), e.namespace.as_str());
+        (svc, ns, e.ports.as_slice(), e.service_ports.as_slice())
+    });
+    crate::model::check_each(each).map_err(|source| Error::LocalPorts {
+        path: path.to_owned(),
+        source,
+    })?;
     Ok(doc)
 }
 
@@ -790,4 +781,34 @@ async fn changed(
 pub async fn snapshot(connector: &Connector) -> Result<Listing, Error> {
     let mut client = connector.connect().await?;
     list(&mut client).await
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+    use super::*;
+
+    /// A `--local-endpoints` file whose service port goes to a pod port the endpoint does
+    /// not list is refused at start, naming the file, the endpoint and the ports.
+    #[test]
+    fn a_local_endpoint_whose_ports_do_not_hold_together_is_refused() {
+        let path = std::env::temp_dir().join(format!("waypoint-local-{}.json", std::process::id()));
+        std::fs::write(
+            &path,
+            r#"{"endpoints": [
+                {"service": "web", "namespace": "shop", "pod_ip": "10.1.0.7", "ports": [9080],
+                 "service_ports": [{"port": 80, "target_port": 9080}]},
+                {"service": "api", "namespace": "shop", "pod_ip": "10.1.0.8", "ports": [9080],
+                 "service_ports": [{"port": 80, "target_port": 8080}]}
+            ]}"#,
+        )
+        .unwrap();
+        let err = load_local(&path).unwrap_err().to_string();
+        std::fs::remove_file(&path).unwrap();
+        assert!(
+            err.contains("endpoint 1 (api.shop): service port 80 goes to pod port 8080"),
+            "{err}"
+        );
+        assert!(err.contains(&path.display().to_string()), "{err}");
+    }
 }

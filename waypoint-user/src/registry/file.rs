@@ -47,18 +47,12 @@ pub enum Error {
         source: serde_json::Error,
     },
     /// An endpoint's ports do not hold together.
-    #[error("endpoints file {path}: endpoint {index} ({service}.{namespace}): {source}")]
+    #[error("endpoints file {path}: {source}")]
     Ports {
         /// The file.
         path: PathBuf,
-        /// The endpoint's position in the file, from 0.
-        index: usize,
-        /// Its service.
-        service: String,
-        /// Its namespace.
-        namespace: String,
-        /// What is wrong.
-        source: crate::model::PortError,
+        /// Which endpoint, and what is wrong.
+        source: crate::model::BadPorts,
     },
 }
 
@@ -72,15 +66,14 @@ pub fn load(path: &Path) -> Result<Document, Error> {
         path: path.to_owned(),
         source,
     })?;
-    for (index, e) in doc.endpoints.iter().enumerate() {
-        crate::model::check_ports(&e.ports, &e.service_ports).map_err(|source| Error::Ports {
-            path: path.to_owned(),
-            index,
-            service: e.service.clone(),
-            namespace: e.namespace.clone(),
-            source,
-        })?;
-    }
+    let each = doc.endpoints.iter().map(|e| {
+        let (svc, ns) = (e.service.as_str(), e.namespace.as_str());
+        (svc, ns, e.ports.as_slice(), e.service_ports.as_slice())
+    });
+    crate::model::check_each(each).map_err(|source| Error::Ports {
+        path: path.to_owned(),
+        source,
+    })?;
     Ok(doc)
 }
 
