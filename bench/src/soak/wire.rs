@@ -127,6 +127,10 @@ pub async fn echo<S: AsyncRead + AsyncWrite + Unpin>(
         at += n as u64;
         progress.received.fetch_add(n as u64, Relaxed);
         s.write_all(&buf[..n]).await?;
+        // A TLS stream's write may return with records still held in its buffer (the
+        // socket was full); unflushed, they would wait for the next read, which waits
+        // for the client, which waits for them.
+        s.flush().await?;
         progress.sent.fetch_add(n as u64, Relaxed);
     }
 }
