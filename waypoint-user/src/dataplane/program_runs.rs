@@ -127,6 +127,18 @@ fn packet(
     p
 }
 
+/// Loads the rewrite program of `loaded` (after its maps were taken and set) and returns
+/// its descriptor, for [`run`] and [`run_out`].
+fn load_rewrite(loaded: &mut aya::Ebpf) -> std::os::fd::OwnedFd {
+    let prog: &mut SchedClassifier = loaded
+        .program_mut(REWRITE_PROG)
+        .unwrap()
+        .try_into()
+        .unwrap();
+    prog.load().unwrap();
+    prog.fd().unwrap().as_fd().try_clone_to_owned().unwrap()
+}
+
 fn key(saddr: Ipv4Addr, daddr: Ipv4Addr, sport: u16, dport: u16) -> RewriteKey {
     RewriteKey {
         saddr: u32::from_ne_bytes(saddr.octets()),
@@ -153,13 +165,7 @@ fn concurrent_runs_count_each_byte_once() {
     let mut loaded = EbpfLoader::new().load(OBJECT).unwrap();
     let mut map: HashMap<MapData, RewriteKey, Rewrite> =
         HashMap::try_from(loaded.take_map(REWRITES_MAP).unwrap()).unwrap();
-    let prog: &mut SchedClassifier = loaded
-        .program_mut(REWRITE_PROG)
-        .unwrap()
-        .try_into()
-        .unwrap();
-    prog.load().unwrap();
-    let fd = prog.fd().unwrap().as_fd().try_clone_to_owned().unwrap();
+    let fd = load_rewrite(&mut loaded);
 
     const START: u32 = 0xffff_0000; // wraps past 2^32 halfway
     const SEGMENTS: u32 = 20_000;
@@ -273,13 +279,7 @@ fn the_pure_ack_that_covers_what_b_carried_goes_to_b_once() {
     let mut ports: Array<MapData, u8> =
         Array::try_from(loaded.take_map(REWRITE_PORTS_MAP).unwrap()).unwrap();
     ports.set(15008, PORT_POD_FROM, 0).unwrap();
-    let prog: &mut SchedClassifier = loaded
-        .program_mut(REWRITE_PROG)
-        .unwrap()
-        .try_into()
-        .unwrap();
-    prog.load().unwrap();
-    let fd = prog.fd().unwrap().as_fd().try_clone_to_owned().unwrap();
+    let fd = load_rewrite(&mut loaded);
 
     // The pod's packets to B, rewritten to come from A to the client.
     let pod = key(POD, WAYPOINT, 15008, 41000);
