@@ -43,6 +43,10 @@ pub const SKB_SK_OFFSET: &str = "SKB_SK_OFFSET";
 /// Name of the global holding the offset of `copied_seq` in `struct tcp_sock` (0:
 /// unknown; the check then starts from the first segment the verdict sees).
 pub const TCP_COPIED_SEQ_OFFSET: &str = "TCP_COPIED_SEQ_OFFSET";
+/// Name of the global holding the longest repeat the verdict cuts (bytes). The object's
+/// own value is what the program can cut; tests lower it to make every repeat go to
+/// userspace.
+pub const TRIM_LIMIT: &str = "TRIM_LIMIT";
 
 /// Default capacity of the per-socket maps (two sockets per spliced connection). The
 /// daemon resizes them at load time from its connection limit.
@@ -86,13 +90,26 @@ pub struct Flow {
     pub next_seq: u32,
     /// Kernel: 1 once `next_seq` is set.
     pub seq_known: u32,
-    /// Kernel: where a repeat that the verdict could not cut starts, as an offset in the
-    /// stream of `passed` bytes. Userspace drops `skip_len` bytes from there when it
-    /// reads them. Set at most once per socket, before the segment is passed, and never
-    /// changed after: userspace never sees half of an update.
-    pub skip_at: u64,
-    /// Kernel: length of that repeat; 0 while there is none.
-    pub skip_len: u32,
+    /// Kernel: repeats the verdict could not cut, which userspace drops as it reads
+    /// them, in the order they came. Each is set once, before the segment that holds it
+    /// is passed, and never changed after: userspace reads them without a lock and never
+    /// sees half of an update. A socket has room for [`SKIPS`] of them.
+    pub skips: [Skip; SKIPS],
+}
+
+/// Repeats the verdict could not cut that one socket can hand to userspace (see
+/// [`Flow::skips`]). One more is forwarded as it is and counted ([`Stat::TrimFailed`]).
+pub const SKIPS: usize = 4;
+
+/// A repeat the verdict could not cut: `len` bytes of the socket's stream of passed bytes,
+/// from offset `at`, that userspace drops.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Skip {
+    /// Where the repeat starts, as an offset in the stream of `passed` bytes.
+    pub at: u64,
+    /// Its length; 0 while the record is unused.
+    pub len: u32,
     /// Explicit padding (the verifier rejects reads of uninitialised padding).
     pub _pad: u32,
 }
@@ -135,20 +152,24 @@ pub enum Stat {
     /// Segments made only of bytes already delivered, dropped.
     DroppedDuplicate = 7,
     /// Segments with a repeated head that could not be cut and could not be handed to
-    /// userspace either (the socket's one skip record was used already): forwarded as
-    /// they are. Never expected; a counted defect, not a silent one.
+    /// userspace either (the socket's [`SKIPS`] skip records were used already):
+    /// forwarded as they are. Never expected; a counted defect, not a silent one.
     TrimFailed = 8,
     /// Segments passed with a repeated head that the program could not cut (longer than
-    /// it trims in one pass, or no memory to pull the head): userspace drops the repeat
-    /// (see [`Flow::skip_at`]).
+    /// it cuts, or the kernel had no memory to pull the head): userspace drops the
+    /// repeat (see [`Flow::skips`]).
     PassedRepeat = 9,
     /// Signals (see [`Signal`]) that did not fit into the full ring buffer. The daemon
     /// then wakes every waiting connection to look for itself.
     SignalLost = 10,
+    /// Segments whose repeated head the kernel could not pull into the segment's linear
+    /// part for cutting (no memory for it): the repeat is left whole, and counted again
+    /// as [`Stat::PassedRepeat`] (or [`Stat::TrimFailed`]).
+    CutRefused = 11,
 }
 
 /// Number of entries in the statistics array.
-pub const STAT_COUNT: u32 = 11;
+pub const STAT_COUNT: u32 = 12;
 
 impl Stat {
     /// Every statistic, in index order.
@@ -164,6 +185,7 @@ impl Stat {
         Stat::TrimFailed,
         Stat::PassedRepeat,
         Stat::SignalLost,
+        Stat::CutRefused,
     ];
 
     /// A short label for metrics.
@@ -180,6 +202,7 @@ impl Stat {
             Stat::TrimFailed => "trim_failed",
             Stat::PassedRepeat => "passed_repeat",
             Stat::SignalLost => "signal_lost",
+            Stat::CutRefused => "cut_refused",
         }
     }
 }

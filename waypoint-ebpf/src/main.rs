@@ -75,13 +75,15 @@ static TCP_COPIED_SEQ_OFFSET: u32 = 0;
 /// `bpf_skb_adjust_room` removes at most 0xfff bytes per call.
 const TRIM_STEP: u32 = 0xfff;
 /// Calls per segment: 16 × 4095 bytes covers the overlap of a retransmitted segment
-/// (a GSO segment of a standard MTU). A longer repeat is not cut at all: every call pulls
-/// 4 KB more of the segment into its head, which the kernel re-allocates and copies each
-/// time, and no bound is long enough. The repeat at a socket's entry into the SockHash
-/// (what the userspace copy read of a queued segment) can be as long as a segment TCP
-/// coalesced in a queue nobody read: hundreds of KB. Those go to userspace instead, which
-/// drops the repeat (`Flow::skip_at`).
+/// (a GSO segment of a standard MTU, or of loopback's 64 KiB).
 const TRIM_STEPS: u32 = 16;
+
+/// The longest repeat the program cuts. A longer one goes to userspace, which drops it
+/// (`Flow::skips`): the repeat at a socket's entry into the SockHash (what the
+/// userspace copy read of a queued segment) can be as long as a segment TCP coalesced in
+/// a queue nobody read, hundreds of KB. The loader lowers it only in tests.
+#[unsafe(no_mangle)]
+static TRIM_LIMIT: u32 = TRIM_STEPS * TRIM_STEP;
 
 #[stream_verdict]
 pub fn waypoint_verdict(ctx: SkBuffContext) -> u32 {
@@ -206,7 +208,7 @@ enum Trim {
     /// Every byte was a repeat, and all were cut: drop the empty segment.
     Whole,
     /// The repeat could not be cut: pass the segment (this many bytes) to userspace,
-    /// which drops the repeat, as the socket's skip record says.
+    /// which drops the repeat, as the socket's skip records say.
     Skip(u32),
 }
 
@@ -235,14 +237,24 @@ fn trim_repeat(ctx: &SkBuffContext, flow: &mut Flow, seq_offset: u32, len: u32) 
     }
     let repeat = repeat as u32;
     let cut = repeat.min(len);
+    // SAFETY: a read of a plain global; volatile so the loader's value is used.
+    let limit = unsafe { core::ptr::read_volatile(&TRIM_LIMIT) };
     let mut left = cut;
-    if cut <= TRIM_STEPS * TRIM_STEP {
+    if cut <= limit && cut <= TRIM_STEPS * TRIM_STEP {
+        // Each cut first pulls the bytes it removes into the segment's linear part.
+        // Pulling them all at once costs one allocation of the head; cut by cut, the
+        // kernel would re-allocate and copy a head 4 KB longer sixteen times.
+        let pulled = cut <= TRIM_STEP || ctx.pull_data(cut).is_ok();
+        if !pulled {
+            count(Stat::CutRefused);
+        }
         for _ in 0..TRIM_STEPS {
-            if left == 0 {
+            if left == 0 || !pulled {
                 break;
             }
             let step = left.min(TRIM_STEP);
             if ctx.adjust_room(-(step as i32), 0, 0).is_err() {
+                count(Stat::CutRefused);
                 break;
             }
             left -= step;
@@ -261,13 +273,15 @@ fn trim_repeat(ctx: &SkBuffContext, flow: &mut Flow, seq_offset: u32, len: u32) 
         count(Stat::Trimmed);
         return Trim::Kept(kept);
     }
-    // The segment still starts with `left` repeated bytes.
-    if flow.skip_len == 0 {
-        // Once per socket: userspace reads the record without locks, so it is never
-        // changed once set (see `Flow::skip_at`).
-        flow.skip_at = flow.passed;
-        flow.skip_len = left;
-        return Trim::Skip(kept);
+    // The segment still starts with `left` repeated bytes: record them for userspace,
+    // in the socket's first free record. Records are never changed once set, because
+    // userspace reads them without locks.
+    for skip in flow.skips.iter_mut() {
+        if skip.len == 0 {
+            skip.at = flow.passed;
+            skip.len = left;
+            return Trim::Skip(kept);
+        }
     }
     // Duplicated bytes, counted, rather than a dropped segment whose new bytes would be
     // lost.

@@ -336,8 +336,11 @@ pub struct Config {
     /// whose byte counts did not move for this long. Each is counted once in
     /// waypoint_dataplane_stalls_total{dataplane} and logged once at warn with both
     /// sockets' state. Checked at the idle checks, so it is seen between one and two times
-    /// this after its bytes stopped. Does not apply to connections spliced by
-    /// --rewrite-splice (the daemon's sockets carry no byte). 0 never checks.
+    /// this after its bytes stopped. In the SockHash, a stalled connection whose kernel
+    /// count of read bytes ran ahead (a repeat the verdict could not cut) is reset on both
+    /// sides (end="stranded"): nothing else would hand its bytes on. Does not apply to
+    /// connections spliced by --rewrite-splice (the daemon's sockets carry no byte). 0
+    /// never checks.
     #[arg(long, env = "WAYPOINT_STALL_AFTER", value_parser = parse_duration, default_value = "10s")]
     pub stall_after: Duration,
 

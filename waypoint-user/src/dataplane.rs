@@ -129,6 +129,11 @@ pub enum End {
     LifetimeExceeded,
     /// A local I/O error other than a reset; both sides were aborted.
     Error(io::ErrorKind),
+    /// Bytes the kernel will not hand on were held for `stall_after`: a repeat the
+    /// verdict could not cut left the socket's count of read bytes ahead of what it
+    /// read, so the kernel holds back arriving bytes (see docs/ARCHITECTURE.md, "repeat
+    /// check"). Both sides were aborted.
+    Stranded,
 }
 
 impl End {
@@ -141,6 +146,7 @@ impl End {
             End::IdleTimeout => "idle_timeout",
             End::LifetimeExceeded => "lifetime_exceeded",
             End::Error(_) => "error",
+            End::Stranded => "stranded",
         }
     }
 }
@@ -649,7 +655,7 @@ async fn drive<A, B>(
     mut down_to_up: Pin<&mut A>,
     mut up_to_down: Pin<&mut B>,
     progress: impl Fn() -> u64,
-    mut watchdog: impl FnMut(Instant, bool),
+    mut watchdog: impl FnMut(Instant, bool) -> Option<End>,
 ) -> End
 where
     A: Future<Output = DirEnd>,
@@ -707,7 +713,9 @@ where
                 } else if now.duration_since(last_change) >= limits.idle_timeout {
                     return forced_end(End::IdleTimeout, downstream, upstream);
                 }
-                watchdog(now, moved);
+                if let Some(end) = watchdog(now, moved) {
+                    return reset(end);
+                }
             }
         }
         if d2u_done && u2d_done {

@@ -11,6 +11,10 @@
 //!   verdict must start from the reader's `copied_seq`, not from that segment);
 //! - a later one repeats 500 bytes of the segment before it.
 //!
+//! The verdict cuts a repeat in the kernel; one it cannot cut (longer than it cuts, or
+//! no memory to pull the segment's head) goes to userspace, which drops it. `uncut`
+//! makes every repeat such a one, several on one socket.
+//!
 //! Each test runs in a network namespace of its own (its thread's), where a firewall rule
 //! keeps the kernel from resetting the raw client's connection.
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
@@ -20,12 +24,12 @@ use std::{
     net::{Ipv4Addr, SocketAddrV4},
     os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
     process::Command,
-    sync::mpsc,
+    sync::{mpsc, Arc},
     time::Duration,
 };
 
 use tokio::{io::AsyncReadExt as _, net::TcpListener, time::timeout};
-use waypoint::dataplane::{Dataplane, End, Kind, Limits, Outcome};
+use waypoint::dataplane::{ebpf, Dataplane, End, Kind, Limits, Outcome};
 use waypoint_common::Stat;
 
 const HELLO: usize = 64;
@@ -42,24 +46,130 @@ const SEGMENTS: [(usize, usize); 3] = [
 ];
 const TOTAL: usize = HELLO + 3000;
 
+/// As [`SEGMENTS`], with a repeat in every one: as many as a socket has skip records.
+const REPEATING: [(usize, usize); waypoint_common::SKIPS] = [
+    (HELLO - 3, HELLO + 1000),
+    (HELLO + 500, HELLO + 1500),
+    (HELLO + 1400, HELLO + 2000),
+    (HELLO + 1990, HELLO + 3000),
+];
+
 #[test]
 fn ebpf() {
-    run(Kind::Ebpf);
+    let dp = common::dataplane(Kind::Ebpf);
+    run(Kind::Ebpf, dp.clone(), &SEGMENTS);
+    // The kernel hands this verdict both repeats (no other test in this binary shares
+    // its dataplane): it must have cut them, not relied on something else.
+    assert_eq!(
+        stat(&dp, Stat::Trimmed),
+        2,
+        "segments trimmed by the verdict"
+    );
+    assert_eq!(stat(&dp, Stat::PassedRepeat), 0);
 }
 
 #[test]
 fn splice() {
-    run(Kind::Splice);
+    run(Kind::Splice, common::dataplane(Kind::Splice), &SEGMENTS);
 }
 
 #[test]
 fn copy() {
-    run(Kind::Copy);
+    run(Kind::Copy, common::dataplane(Kind::Copy), &SEGMENTS);
 }
 
-fn run(kind: Kind) {
+/// Every repeat goes to userspace, as one the kernel has no memory to cut would: each
+/// lands in a skip record of its own, and userspace drops it.
+#[test]
+fn uncut() {
     common::require_root();
-    let dp = common::dataplane(kind);
+    let dp = ebpf::Ebpf::load(ebpf::Config {
+        splice_after: 0,
+        hooks: ebpf::Hooks {
+            trim_limit: Some(0),
+            ..ebpf::Hooks::default()
+        },
+        ..ebpf::Config::default()
+    })
+    .unwrap();
+    assert!(dp.repeat_check(), "tests run on a kernel with BTF");
+    let dp = Arc::new(Dataplane::Ebpf(Arc::new(dp)));
+    run(Kind::Ebpf, dp.clone(), &REPEATING);
+    assert_eq!(stat(&dp, Stat::Trimmed), 0);
+    assert_eq!(stat(&dp, Stat::PassedRepeat), REPEATING.len() as u64);
+    assert_eq!(stat(&dp, Stat::TrimFailed), 0);
+}
+
+/// The kernel's side of an uncut repeat: TCP counts the repeat as read twice (once when
+/// userspace reads it, once in its sequence numbers), so the socket's count of read
+/// bytes runs ahead, and bytes that arrive later are held back until more arrive than
+/// the repeats were long. A peer that sent a last few bytes and waits for its answer is
+/// stuck: the stall watchdog ends the connection with resets rather than leave it hung.
+#[test]
+fn uncut_then_stranded() {
+    common::require_root();
+    let dp = ebpf::Ebpf::load(ebpf::Config {
+        splice_after: 0,
+        hooks: ebpf::Hooks {
+            trim_limit: Some(0),
+            ..ebpf::Hooks::default()
+        },
+        ..ebpf::Config::default()
+    })
+    .unwrap();
+    let dp = Arc::new(Dataplane::Ebpf(Arc::new(dp)));
+    private_netns();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let upstream = listener.local_addr().unwrap();
+        let limits = Limits {
+            stall_after: Some(Duration::from_millis(500)),
+            ..Limits::default()
+        };
+        let mut proxy = common::proxy(dp.clone(), upstream, HELLO, limits).await;
+        let std::net::SocketAddr::V4(proxy_addr) = proxy.addr else {
+            panic!("the proxy listens on IPv4")
+        };
+        let (go, wait) = mpsc::channel::<()>();
+        let (end, ended) = mpsc::channel::<()>();
+        let client =
+            std::thread::spawn(move || raw_client_until(proxy_addr, wait, &STRANDED, ended));
+        let (mut up, _) = timeout(BOUND, listener.accept()).await.unwrap().unwrap();
+        let mut got = vec![0u8; HELLO];
+        timeout(BOUND, up.read_exact(&mut got))
+            .await
+            .unwrap()
+            .unwrap();
+        go.send(()).unwrap();
+        let out = common::next_outcome(&mut proxy, BOUND).await;
+        assert_eq!(out.end, End::Stranded);
+        end.send(()).unwrap();
+        client.join().unwrap();
+        // What reached the pod before the reset came once and in order; the last
+        // segment's bytes did not.
+        let _ = timeout(BOUND, up.read_to_end(&mut got)).await.unwrap();
+        assert!(got.len() < TOTAL + 5, "{} bytes reached the pod", got.len());
+        assert_eq!(common::pattern_mismatch(SEED, 0, &got), None);
+    });
+    assert_eq!(stat(&dp, Stat::PassedRepeat), REPEATING.len() as u64);
+}
+
+/// [`REPEATING`], then, after a pause that lets userspace read everything, 5 more bytes.
+const STRANDED: [(usize, usize); waypoint_common::SKIPS + 1] = [
+    REPEATING[0],
+    REPEATING[1],
+    REPEATING[2],
+    REPEATING[3],
+    (TOTAL, TOTAL + 5),
+];
+
+fn run(kind: Kind, dp: Arc<Dataplane>, segments: &'static [(usize, usize)]) {
+    common::require_root();
     private_netns();
     // Built after the unshare, so its threads (and every socket) live in the namespace.
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -67,11 +177,10 @@ fn run(kind: Kind) {
         .enable_all()
         .build()
         .unwrap();
-    rt.block_on(exercise(kind, dp));
+    rt.block_on(exercise(kind, dp, segments));
 }
 
-async fn exercise(kind: Kind, dp: std::sync::Arc<Dataplane>) {
-    let trimmed_before = trimmed(&dp);
+async fn exercise(kind: Kind, dp: Arc<Dataplane>, segments: &'static [(usize, usize)]) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let upstream = listener.local_addr().unwrap();
     let mut proxy = common::proxy(dp.clone(), upstream, HELLO, Limits::default()).await;
@@ -80,7 +189,7 @@ async fn exercise(kind: Kind, dp: std::sync::Arc<Dataplane>) {
     };
 
     let (go, wait) = mpsc::channel::<()>();
-    let client = std::thread::spawn(move || raw_client(proxy_addr, wait));
+    let client = std::thread::spawn(move || raw_client(proxy_addr, wait, segments));
 
     let (mut up, _) = timeout(BOUND, listener.accept()).await.unwrap().unwrap();
     let mut got = vec![0u8; HELLO];
@@ -118,23 +227,15 @@ async fn exercise(kind: Kind, dp: std::sync::Arc<Dataplane>) {
         },
         "{kind:?}"
     );
-    if kind == Kind::Ebpf {
-        // The kernel hands this verdict both repeats (no other test in this binary uses
-        // the eBPF dataplane): it must have cut them, not relied on something else.
-        assert_eq!(
-            trimmed(&dp) - trimmed_before,
-            2,
-            "segments trimmed by the verdict"
-        );
-    }
 }
 
-fn trimmed(dp: &Dataplane) -> u64 {
+/// One of the verdict's statistics (0 for the other dataplanes).
+fn stat(dp: &Dataplane, which: Stat) -> u64 {
     match dp {
         Dataplane::Ebpf(e) => e
             .stats()
             .into_iter()
-            .find(|(s, _)| *s == Stat::Trimmed)
+            .find(|(s, _)| *s == which)
             .map(|(_, n)| n)
             .unwrap(),
         _ => 0,
@@ -172,17 +273,32 @@ const SYN: u8 = 0x02;
 const PSH: u8 = 0x08;
 const ACK: u8 = 0x10;
 
-/// A TCP client on a raw socket: handshake, the hello, then [`SEGMENTS`] and a FIN.
+/// A TCP client on a raw socket: handshake, the hello, then `segments` and a FIN.
 /// It never acknowledges the server's data (the server sends none) or its FIN.
-fn raw_client(server: SocketAddrV4, go: mpsc::Receiver<()>) {
+fn raw_client(server: SocketAddrV4, go: mpsc::Receiver<()>, segments: &[(usize, usize)]) {
+    let (done, fin) = mpsc::channel();
+    drop(done);
+    raw_client_until(server, go, segments, fin);
+}
+
+/// As [`raw_client`], sending its FIN only once `fin` says so (or is dropped). Each
+/// segment waits 300 ms after the one before was acknowledged, time for the dataplane
+/// to read what it was passed.
+fn raw_client_until(
+    server: SocketAddrV4,
+    go: mpsc::Receiver<()>,
+    segments: &[(usize, usize)],
+    fin: mpsc::Receiver<()>,
+) {
     let raw = RawTcp::new();
     let isn: u32 = 0x1000_0000;
     raw.send(server, isn, 0, SYN, &[]);
     let server_isn = raw.recv_syn_ack(server);
     let ack = server_isn.wrapping_add(1);
     let base = isn.wrapping_add(1);
+    let total = segments.iter().map(|&(_, end)| end).max().unwrap_or(HELLO);
     let data = {
-        let mut d = vec![0u8; TOTAL];
+        let mut d = vec![0u8; total];
         common::pattern_fill(SEED, 0, &mut d);
         d
     };
@@ -190,7 +306,7 @@ fn raw_client(server: SocketAddrV4, go: mpsc::Receiver<()>) {
     raw.send(server, base, ack, ACK | PSH, &data[..HELLO]);
     go.recv_timeout(BOUND)
         .expect("the proxy forwards the hello");
-    for (start, end) in SEGMENTS {
+    for &(start, end) in segments {
         raw.send(
             server,
             base.wrapping_add(start as u32),
@@ -201,8 +317,10 @@ fn raw_client(server: SocketAddrV4, go: mpsc::Receiver<()>) {
         // The next segment goes only once this one is acknowledged (queued, and
         // verdicted): the repeat is then of bytes already received, not a race.
         raw.recv_ack(server, base.wrapping_add(end as u32));
+        std::thread::sleep(Duration::from_millis(300));
     }
-    raw.send(server, base.wrapping_add(TOTAL as u32), ack, ACK | FIN, &[]);
+    let _ = fin.recv_timeout(BOUND);
+    raw.send(server, base.wrapping_add(total as u32), ack, ACK | FIN, &[]);
 }
 
 struct RawTcp {

@@ -142,6 +142,9 @@ pub struct Hooks {
     /// between the drain and the insertion (see `sockhash_entry_pause`) stay stranded: a
     /// real stall, for the stall watchdog's test.
     pub sockhash_entry_no_kick: bool,
+    /// The longest repeat the verdict cuts (the object's own limit when None): 0 hands
+    /// every repeat to userspace, as a kernel short of memory for the cut would.
+    pub trim_limit: Option<u32>,
 }
 
 impl Default for Config {
@@ -374,7 +377,9 @@ impl Ebpf {
 
     fn load_with(config: Config, offsets: Option<KernelOffsets>) -> Result<Ebpf, Error> {
         let o = offsets.unwrap_or_default();
-        let mut loaded = EbpfLoader::new()
+        let pod_port = u32::from(config.pod_port.unwrap_or(0));
+        let mut loader = EbpfLoader::new();
+        loader
             .map_max_entries(PEERS_MAP, config.max_sockets)
             .map_max_entries(SLOTS_MAP, config.max_sockets)
             .map_max_entries(FLOWS_MAP, config.max_sockets)
@@ -388,8 +393,14 @@ impl Ebpf {
             .override_global(TCP_COPIED_SEQ_OFFSET, &o.tcp_copied_seq, true)
             .override_global(SOCK_OPS_SK_OFFSET, &o.sock_ops_sk, true)
             .override_global(TCP_TSOFFSET_OFFSET, &o.tcp_tsoffset, true)
-            .override_global(POD_PORT, &u32::from(config.pod_port.unwrap_or(0)), true)
-            .load(OBJECT)?;
+            .override_global(POD_PORT, &pod_port, true);
+        #[cfg(any(test, feature = "test-hooks"))]
+        let trim_limit = config.hooks.trim_limit;
+        #[cfg(any(test, feature = "test-hooks"))]
+        if let Some(limit) = &trim_limit {
+            loader.override_global(waypoint_common::TRIM_LIMIT, limit, true);
+        }
+        let mut loaded = loader.load(OBJECT)?;
         let take = |loaded: &mut Loaded, name: &'static str| {
             loaded
                 .take_map(name)

@@ -26,7 +26,7 @@ use std::{
 
 use aya::maps::{HashMap, MapData};
 use nix::sys::mman::{mmap, munmap, MapFlags, ProtFlags};
-use waypoint_common::Flow;
+use waypoint_common::{Flow, Skip, SKIPS};
 
 /// How long a freed slot rests before it serves another socket: far longer than any
 /// verdict runs.
@@ -59,9 +59,16 @@ pub(super) struct FlowCell {
     trimmed: AtomicU64,
     /// `next_seq` and `seq_known`, which only the kernel uses.
     seq: AtomicU64,
-    skip_at: AtomicU64,
-    /// `skip_len` (the low half, little-endian) and padding.
-    skip_len: AtomicU64,
+    skips: [SkipCell; SKIPS],
+}
+
+/// The userspace view of one [`waypoint_common::Skip`].
+#[repr(C)]
+#[cfg_attr(test, derive(Default))]
+struct SkipCell {
+    at: AtomicU64,
+    /// `len` (the low half, little-endian) and padding.
+    len: AtomicU64,
 }
 
 const _: () = {
@@ -73,8 +80,10 @@ const _: () = {
     assert!(offset_of!(FlowCell, passed) == offset_of!(Flow, passed));
     assert!(offset_of!(FlowCell, trimmed) == offset_of!(Flow, trimmed));
     assert!(offset_of!(FlowCell, seq) == offset_of!(Flow, next_seq));
-    assert!(offset_of!(FlowCell, skip_at) == offset_of!(Flow, skip_at));
-    assert!(offset_of!(FlowCell, skip_len) == offset_of!(Flow, skip_len));
+    assert!(offset_of!(FlowCell, skips) == offset_of!(Flow, skips));
+    assert!(size_of::<SkipCell>() == size_of::<Skip>());
+    assert!(offset_of!(SkipCell, at) == offset_of!(Skip, at));
+    assert!(offset_of!(SkipCell, len) == offset_of!(Skip, len));
     assert!(cfg!(target_endian = "little"));
     // The kernel rounds an array's elements up to 8 bytes: no gap between records.
     assert!(size_of::<Flow>().is_multiple_of(8));
@@ -140,17 +149,25 @@ impl FlowCell {
         self.owner.store(owner, Ordering::Release);
     }
 
-    /// The passed bytes userspace must drop: a repeat the verdict could not cut, as a
-    /// range of offsets in the stream of passed bytes (empty while there is none). The
-    /// kernel sets it once, before it passes the segment that holds it, so it is in place
-    /// by the time userspace reads those bytes.
-    pub fn skip(&self) -> std::ops::Range<u64> {
-        let len = self.skip_len.load(Ordering::Acquire) & u64::from(u32::MAX);
-        if len == 0 {
-            return 0..0;
-        }
-        let at = self.skip_at.load(Ordering::Acquire);
-        at..at + len
+    /// The passed bytes userspace must drop: the repeats the verdict could not cut, as
+    /// ranges of offsets in the stream of passed bytes, in stream order (empty ranges for
+    /// unused records). The kernel sets each once, before it passes the segment that
+    /// holds it, so it is in place by the time userspace reads those bytes.
+    pub fn skips(&self) -> [std::ops::Range<u64>; SKIPS] {
+        self.skips.each_ref().map(|skip| {
+            let len = skip.len.load(Ordering::Acquire) & u64::from(u32::MAX);
+            if len == 0 {
+                return 0..0;
+            }
+            let at = skip.at.load(Ordering::Acquire);
+            at..at + len
+        })
+    }
+
+    /// Bytes of the repeats the verdict could not cut, in total: how far the kernel's
+    /// count of the socket's read bytes (`copied_seq`) runs ahead of what it read.
+    pub fn skipped(&self) -> u64 {
+        self.skips().iter().map(|s| s.end - s.start).sum()
     }
 
     pub fn counters(&self) -> Counters {
@@ -293,9 +310,10 @@ impl FlowTable {
             &cell.passed,
             &cell.trimmed,
             &cell.seq,
-            &cell.skip_at,
-            &cell.skip_len,
-        ] {
+        ]
+        .into_iter()
+        .chain(cell.skips.iter().flat_map(|skip| [&skip.at, &skip.len]))
+        {
             f.store(0, Ordering::Relaxed);
         }
         cell.owner.store(cookie, Ordering::Release);

@@ -72,6 +72,7 @@ impl Splice {
             || d2u.load(Relaxed) + u2d.load(Relaxed),
             |now, moved| {
                 watchdog.check(now, moved, &downstream, &upstream, None);
+                None
             },
         )
         .await;

@@ -198,22 +198,31 @@ impl Direction<'_> {
                 self.wait_handed().await?;
                 synced = true;
             }
-            // A repeat the verdict could not cut (see `waypoint_common::Flow::skip_at`)
-            // is dropped here; everything else goes on in order.
-            let skip = skipped(budget.consumed, n, self.flow.skip());
-            if !skip.is_empty() {
-                debug!(
-                    dir = self.name,
-                    len = skip.len(),
-                    "dropped a repeat the verdict could not cut"
-                );
-            }
-            for part in [&buf[..skip.start], &buf[skip.end..n]] {
-                if !part.is_empty() {
-                    self.write_all(part).await.map_err(classify_write_error)?;
+            // Repeats the verdict could not cut (see `waypoint_common::Flow::skips`) are
+            // dropped here; everything else goes on in order.
+            let skips = self.flow.skips();
+            let mut written = n;
+            if skips.iter().all(|s| s.is_empty()) {
+                self.write_all(&buf[..n])
+                    .await
+                    .map_err(classify_write_error)?;
+            } else {
+                let parts = kept(budget.consumed, n, &skips);
+                written = parts.iter().map(|p| p.len()).sum();
+                if written < n {
+                    debug!(
+                        dir = self.name,
+                        len = n - written,
+                        "dropped a repeat the verdict could not cut"
+                    );
+                }
+                for part in parts {
+                    self.write_all(&buf[part])
+                        .await
+                        .map_err(classify_write_error)?;
                 }
             }
-            self.user_bytes.fetch_add((n - skip.len()) as u64, Relaxed);
+            self.user_bytes.fetch_add(written as u64, Relaxed);
             budget.consumed += n as u64;
             // A steady stream can keep this loop busy for long: measure here too.
             self.measure_drain(None);

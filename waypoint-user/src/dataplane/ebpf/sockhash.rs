@@ -8,6 +8,7 @@ use std::{
     future::Future,
     io::{self},
     net::TcpStream as StdTcpStream,
+    ops::Range,
     os::fd::{AsFd, AsRawFd},
     pin::pin,
     sync::{
@@ -313,7 +314,20 @@ impl Ebpf {
             },
             |now, moved| {
                 let flows = Some([down_flow, up_flow]);
-                watchdog.check(now, moved, &downstream, &upstream, flows);
+                let stalled = watchdog.check(now, moved, &downstream, &upstream, flows);
+                // The stall of a socket left with an uncut repeat is no mystery, and no
+                // wait ends it: the kernel holds arriving bytes until more arrive than
+                // the repeat was long (the count of read bytes is that far ahead), and
+                // a peer waiting for an answer sends none. A reset tells both peers.
+                let uncut = down_flow.skipped() + up_flow.skipped();
+                (stalled && uncut > 0).then(|| {
+                    warn!(
+                        uncut,
+                        "ending a connection whose bytes the kernel holds back after a \
+                         repeat it could not cut"
+                    );
+                    End::Stranded
+                })
             },
         )
         .await;
@@ -660,13 +674,33 @@ pub(super) fn handed_settled(dst: &impl AsFd) -> io::Result<Handed> {
 /// right behind its hello would otherwise keep the read going for the whole transfer.
 pub(super) const DRAIN_CAP: usize = 1024 * 1024;
 
-/// Of `n` passed bytes read at offset `at` of the passed stream, the indexes that `skip`
-/// (a range of offsets in that stream) covers.
-pub(super) fn skipped(at: u64, n: usize, skip: std::ops::Range<u64>) -> std::ops::Range<usize> {
+/// The parts of a read of `n` passed bytes, at offset `at` of the socket's stream of
+/// passed bytes, that go on to the peer: all but the bytes the skip records cover (see
+/// `waypoint_common::Flow::skips`), in order.
+pub(super) fn kept(at: u64, n: usize, skips: &[Range<u64>]) -> Vec<Range<usize>> {
     let end_of_read = at + n as u64;
-    let start = skip.start.clamp(at, end_of_read);
-    let end = skip.end.clamp(start, end_of_read);
-    (start - at) as usize..(end - at) as usize
+    let mut cut: Vec<Range<usize>> = skips
+        .iter()
+        .map(|skip| {
+            let start = skip.start.clamp(at, end_of_read);
+            let end = skip.end.clamp(start, end_of_read);
+            (start - at) as usize..(end - at) as usize
+        })
+        .filter(|r| !r.is_empty())
+        .collect();
+    cut.sort_by_key(|r| r.start);
+    let mut parts = Vec::with_capacity(cut.len() + 1);
+    let mut from = 0;
+    for r in cut {
+        if r.start > from {
+            parts.push(from..r.start);
+        }
+        from = from.max(r.end);
+    }
+    if from < n {
+        parts.push(from..n);
+    }
+    parts
 }
 
 /// Reads everything queued on `sock` into `buf`, without waiting. Returns false when the

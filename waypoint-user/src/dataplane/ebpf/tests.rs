@@ -3,6 +3,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 
 use std::{
+    ops::Range,
     os::fd::AsRawFd as _,
     time::{Duration, Instant},
 };
@@ -469,16 +470,23 @@ async fn queued_bytes_are_redirected_at_insertion() {
 }
 
 #[test]
-fn skipped_is_the_part_of_a_read_that_the_repeat_covers() {
+#[allow(clippy::single_range_in_vec_init, reason = "ranges, one of them")]
+fn kept_is_the_part_of_a_read_that_no_repeat_covers() {
     // No repeat.
-    assert_eq!(skipped(100, 50, 0..0), 0..0);
+    assert_eq!(kept(100, 50, &[0..0, 0..0]), vec![0..50]);
     // Before, inside, across the start, across the end, around, after.
-    assert_eq!(skipped(100, 50, 10..90), 0..0);
-    assert_eq!(skipped(100, 50, 110..120), 10..20);
-    assert_eq!(skipped(100, 50, 90..120), 0..20);
-    assert_eq!(skipped(100, 50, 140..200), 40..50);
-    assert_eq!(skipped(100, 50, 90..200), 0..50);
-    assert_eq!(skipped(100, 50, 150..200), 50..50);
+    assert_eq!(kept(100, 50, &[10..90]), vec![0..50]);
+    assert_eq!(kept(100, 50, &[110..120]), vec![0..10, 20..50]);
+    assert_eq!(kept(100, 50, &[90..120]), vec![20..50]);
+    assert_eq!(kept(100, 50, &[140..200]), vec![0..40]);
+    assert_eq!(kept(100, 50, &[90..200]), Vec::<Range<usize>>::new());
+    assert_eq!(kept(100, 50, &[150..200]), vec![0..50]);
+    // Several in one read, in any order, and one reaching into the next read.
+    assert_eq!(
+        kept(100, 50, &[130..135, 105..110, 0..0, 145..160]),
+        vec![0..5, 10..30, 35..45]
+    );
+    assert_eq!(kept(150, 50, &[145..160]), vec![10..50]);
 }
 
 /// A client that sent `sent` bytes, all queued in the waypoint's socket (which TCP
