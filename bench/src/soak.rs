@@ -105,6 +105,8 @@ struct Outcome {
     pod_failures: Vec<server::Failure>,
     /// Pod-side connections still open after every client finished.
     left_open: u64,
+    /// Those of them past their header: id, scenario, and `ss` of the pod's side.
+    left_open_report: String,
     pod_checked: u64,
     router_died: bool,
     counters: String,
@@ -265,6 +267,11 @@ async fn soak_one(
     while pod.state.open.load(Relaxed) > 0 && wait.elapsed() < POD_CLOSE_WAIT {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    let left_open_report = if pod.state.open.load(Relaxed) > 0 {
+        left_open_report(&pod.state).await
+    } else {
+        String::new()
+    };
     stop_busy.store(true, Relaxed);
     for b in busy {
         let _ = b.join();
@@ -297,6 +304,7 @@ async fn soak_one(
         failures,
         pod_failures,
         left_open: pod.state.open.load(Relaxed),
+        left_open_report,
         pod_checked: pod.state.checked.load(Relaxed) - pod_checked_before,
         router_died: false,
         counters,
@@ -390,7 +398,7 @@ impl Lane {
             .peers
             .lock()
             .ok()
-            .and_then(|p| p.get(&id).map(SocketAddr::port));
+            .and_then(|p| p.get(&id).map(|(addr, _)| addr.port()));
         for (what, port) in [("client side", client_port), ("pod side", pod_port)] {
             let Some(port) = port else {
                 let _ = writeln!(out, "  {what}: no socket known");
@@ -474,6 +482,38 @@ fn plain(l: &str) -> String {
             }
         } else {
             out.push(c);
+        }
+    }
+    out
+}
+
+/// The pod-side connections still open (those past their header), each with `ss` of
+/// the socket pair between the waypoint and the pod.
+async fn left_open_report(pod: &server::State) -> String {
+    let open: Vec<(u64, SocketAddr, Scenario)> = pod
+        .peers
+        .lock()
+        .map(|p| p.iter().map(|(id, (a, s))| (*id, *a, *s)).collect())
+        .unwrap_or_default();
+    let mut out = String::new();
+    for (id, addr, scenario) in open {
+        let port = addr.port();
+        let _ = writeln!(
+            out,
+            "  open: connection {id} ({}), the waypoint's socket to the pod on port {port}:",
+            scenario.name()
+        );
+        let filter = format!("( sport = :{port} or dport = :{port} )");
+        let ss = tokio::process::Command::new("ss")
+            .args(["-tniem", "state", "all", &filter])
+            .output()
+            .await;
+        let text = match ss {
+            Ok(o) => String::from_utf8_lossy(&o.stdout).into_owned(),
+            Err(e) => format!("ss: {e}"),
+        };
+        for l in text.lines() {
+            let _ = writeln!(out, "    {}", l.trim_end());
         }
     }
     out
@@ -583,6 +623,7 @@ fn describe(o: &Outcome) -> String {
             o.left_open,
             POD_CLOSE_WAIT.as_secs()
         );
+        let _ = write!(out, "\n{}", o.left_open_report.trim_end());
     }
     if o.router_died {
         let _ = write!(out, "\n  FAILED: the waypoint exited during the run");

@@ -59,8 +59,9 @@ pub struct State {
     pub open: AtomicU64,
     /// Bytes checked (received and matched against the pattern).
     pub checked: AtomicU64,
-    /// Connection id → the address the waypoint dialed from, while open.
-    pub peers: Mutex<HashMap<u64, SocketAddr>>,
+    /// Connection id → the address the waypoint dialed from and the scenario, while
+    /// open.
+    pub peers: Mutex<HashMap<u64, (SocketAddr, Scenario)>>,
     /// Failures of connections that were not aborted on purpose.
     pub failures: Mutex<Vec<Failure>>,
 }
@@ -219,7 +220,7 @@ async fn open(
 
 fn record_peer(state: &State, h: &Header, peer: SocketAddr) {
     if let Ok(mut peers) = state.peers.lock() {
-        peers.insert(h.id, peer);
+        peers.insert(h.id, (peer, h.spec.scenario));
     }
 }
 
