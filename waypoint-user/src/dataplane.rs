@@ -31,10 +31,12 @@ mod watch;
 
 pub use stall::{stalls, Stalls, DEFAULT_STALL_AFTER};
 
+pub(crate) use crate::sys::{queued, tcp_info, unsent_or_unacked};
+
 use std::{
     future::Future,
     io,
-    os::fd::{AsFd, AsRawFd as _},
+    os::fd::AsFd,
     pin::{pin, Pin},
     time::{Duration, Instant},
 };
@@ -505,29 +507,6 @@ fn fin_received(state: u8) -> bool {
     )
 }
 
-/// Bytes in the socket's send queue, sent or not (SIOCOUTQ).
-pub(crate) fn unsent_or_unacked(sock: &impl AsFd) -> io::Result<u64> {
-    let mut outq: libc::c_int = 0;
-    // SAFETY: SIOCOUTQ (= TIOCOUTQ) writes one int through the pointer; the fd is open.
-    let rc = unsafe { libc::ioctl(sock.as_fd().as_raw_fd(), libc::TIOCOUTQ, &mut outq) };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(u64::try_from(outq).unwrap_or(0))
-}
-
-/// Bytes received and not yet read from the socket (SIOCINQ).
-pub(crate) fn queued(sock: &impl AsFd) -> io::Result<usize> {
-    let mut n: libc::c_int = 0;
-    // SAFETY: FIONREAD (= SIOCINQ) writes one int through the pointer; the fd is open.
-    let rc = unsafe { libc::ioctl(sock.as_fd().as_raw_fd(), libc::FIONREAD, &mut n) };
-    if rc == 0 {
-        Ok(usize::try_from(n).unwrap_or(0))
-    } else {
-        Err(io::Error::last_os_error())
-    }
-}
-
 /// What a socket's TCP received from its peer and took from its writers over its life,
 /// FINs and SYN taken out.
 struct Carried {
@@ -596,33 +575,6 @@ pub(crate) fn resets_on_close(sock: &impl AsFd) -> bool {
     socket2::SockRef::from(sock)
         .linger()
         .is_ok_and(|l| l == Some(Duration::ZERO))
-}
-
-/// The socket's `TCP_INFO`. An error if the kernel filled less than the fields up to
-/// `tcpi_bytes_received` (Linux 4.1), which the dataplanes read.
-pub(crate) fn tcp_info(sock: &impl AsFd) -> io::Result<libc::tcp_info> {
-    // SAFETY: tcp_info is plain old data; zeroed is a valid value.
-    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
-    // SAFETY: fd is an open socket owned by `sock`; info and len are valid for writes of
-    // the sizes given.
-    let rc = unsafe {
-        libc::getsockopt(
-            sock.as_fd().as_raw_fd(),
-            libc::IPPROTO_TCP,
-            libc::TCP_INFO,
-            (&raw mut info).cast(),
-            &mut len,
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let needed = std::mem::offset_of!(libc::tcp_info, tcpi_bytes_received) + size_of::<u64>();
-    if (len as usize) < needed {
-        return Err(io::Error::new(io::ErrorKind::Unsupported, "short TCP_INFO"));
-    }
-    Ok(info)
 }
 
 /// Shuts the write side of `sock` (sends FIN after everything queued).

@@ -16,5 +16,6 @@ pub mod registry;
 pub mod router;
 pub mod sni;
 pub mod store;
+mod sys;
 pub mod telemetry;
 pub mod workers;

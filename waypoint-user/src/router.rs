@@ -102,7 +102,7 @@ async fn connect(addr: SocketAddr, dataplane: &Dataplane) -> std::io::Result<Soc
     match socket.connect(&addr.into()) {
         Ok(()) => {}
         Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {
-            if dataplane::tcp_info(&socket)?.tcpi_state != dataplane::TCP_ESTABLISHED {
+            if crate::sys::tcp_info(&socket)?.tcpi_state != dataplane::TCP_ESTABLISHED {
                 let stream = TcpStream::from_std(socket.into())?;
                 stream.writable().await?;
                 if let Some(e) = stream.take_error()? {
@@ -601,7 +601,7 @@ mod tests {
         let stream = connect(addr, &Dataplane::Copy(dataplane::copy::UserspaceCopy))
             .await
             .unwrap();
-        let info = dataplane::tcp_info(&stream).unwrap();
+        let info = crate::sys::tcp_info(&stream).unwrap();
         assert_eq!(info.tcpi_state, dataplane::TCP_ESTABLISHED);
         // Done inside `connect(2)`: not registered with the reactor.
         assert!(matches!(stream, Socket::Ready(_)), "{stream:?}");
@@ -648,7 +648,7 @@ mod tests {
         );
         for s in &held {
             assert_eq!(
-                dataplane::tcp_info(s).unwrap().tcpi_state,
+                crate::sys::tcp_info(s).unwrap().tcpi_state,
                 dataplane::TCP_ESTABLISHED
             );
         }

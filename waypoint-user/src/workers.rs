@@ -100,25 +100,7 @@ fn listen(addr: SocketAddr, cpu: Option<usize>) -> std::io::Result<std::net::Tcp
 
 /// TCP_DEFER_ACCEPT, which neither socket2 nor nix wraps.
 fn set_defer_accept(socket: &socket2::Socket, secs: libc::c_int) -> std::io::Result<()> {
-    use std::os::fd::AsRawFd as _;
-    let len = libc::socklen_t::try_from(std::mem::size_of::<libc::c_int>())
-        .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
-    // SAFETY: the descriptor is owned by `socket`, which outlives the call; the option
-    // value points at a live c_int and `len` is its size.
-    let rc = unsafe {
-        libc::setsockopt(
-            socket.as_raw_fd(),
-            libc::IPPROTO_TCP,
-            libc::TCP_DEFER_ACCEPT,
-            std::ptr::from_ref(&secs).cast(),
-            len,
-        )
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
+    crate::sys::setsockopt_int(socket, libc::IPPROTO_TCP, libc::TCP_DEFER_ACCEPT, secs)
 }
 
 /// The CPUs this process may run on, in order.

@@ -584,10 +584,7 @@ fn read_buf(
         return src.try_read_buf(buf);
     };
     src.try_io(Interest::READABLE, || {
-        let spare = buf.spare_capacity_mut();
-        let n = socket2::SockRef::from(src).recv(spare)?;
-        // SAFETY: recv initialised the first `n` bytes of the spare capacity.
-        unsafe { buf.set_len(buf.len() + n) };
+        let n = crate::sys::recv_spare(src, buf)?;
         gated(n, gate, moved)
     })
 }
@@ -1057,18 +1054,8 @@ mod tests {
         // the socket turns readable: SO_RCVLOWAT makes TCP report it at once, as the
         // enqueue's wake-up would.
         flow.set_passed(SENT as u64);
-        let one: libc::c_int = 1;
-        // SAFETY: an open socket's descriptor (the copy holds it); a c_int option value.
-        let rc = unsafe {
-            libc::setsockopt(
-                up_fd,
-                libc::SOL_SOCKET,
-                libc::SO_RCVLOWAT,
-                std::ptr::addr_of!(one).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
-        assert_eq!(rc, 0);
+        // The copy holds the socket open.
+        crate::sys::set_rcvlowat(up_fd, 1).unwrap();
         let eof = tokio::time::timeout(Duration::from_secs(5), client.read(&mut more))
             .await
             .expect("the FIN never came");

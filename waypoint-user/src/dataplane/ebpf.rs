@@ -87,9 +87,6 @@ const REFRESH_INTERVAL: Duration = Duration::from_millis(1);
 /// `signals.rs`).
 const IDLE_REFRESHES: u32 = 8;
 
-/// `SO_COOKIE` from linux/socket.h (not exported by the libc crate).
-const SO_COOKIE: libc::c_int = 57;
-
 /// Settings of the eBPF dataplane.
 #[derive(Clone, Copy, Debug)]
 pub struct Config {
@@ -695,16 +692,8 @@ impl Drop for Ebpf {
 
 /// Kernels before 5.11 charge BPF maps to RLIMIT_MEMLOCK; later ones to the memory cgroup.
 fn raise_memlock_limit() {
-    let unlimited = libc::rlimit {
-        rlim_cur: libc::RLIM_INFINITY,
-        rlim_max: libc::RLIM_INFINITY,
-    };
-    // SAFETY: setrlimit reads one rlimit struct.
-    if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &unlimited) } != 0 {
-        debug!(
-            "could not raise RLIMIT_MEMLOCK: {}",
-            io::Error::last_os_error()
-        );
+    if let Err(e) = crate::sys::raise_memlock_limit() {
+        debug!("could not raise RLIMIT_MEMLOCK: {e}");
     }
 }
 

@@ -82,7 +82,6 @@ const TCP_REPAIR_OFF_NO_WP: libc::c_int = -1;
 const TCPI_OPT_TIMESTAMPS: u8 = 1;
 const TCPI_OPT_SACK: u8 = 2;
 const TCPI_OPT_WSCALE: u8 = 4;
-const MEMBARRIER_CMD_GLOBAL: libc::c_int = 1;
 
 /// Why a connection was not spliced this way (it takes the SockHash splice instead).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -9,7 +9,7 @@ use std::{
     io::{self},
     net::TcpStream as StdTcpStream,
     ops::Range,
-    os::fd::{AsFd, AsRawFd},
+    os::fd::AsFd,
     pin::pin,
     sync::{
         atomic::{AtomicU64, Ordering::Relaxed},
@@ -744,11 +744,7 @@ pub(super) fn drain_queued(sock: &TcpStream, buf: &mut Vec<u8>) -> io::Result<bo
 /// Reads from `sock` into the spare capacity of `buf` (which must have some), without
 /// zeroing it first, and extends `buf` by what was read.
 pub(super) fn read_spare(sock: &StdTcpStream, buf: &mut Vec<u8>) -> io::Result<usize> {
-    let spare = buf.spare_capacity_mut();
-    let n = socket2::SockRef::from(sock).recv(spare)?;
-    // SAFETY: recv initialised the first `n` bytes of the spare capacity.
-    unsafe { buf.set_len(buf.len() + n) };
-    Ok(n)
+    crate::sys::recv_spare(sock, buf)
 }
 
 /// Rounds of [`settle`]: each forwards what arrived during the previous one.
@@ -802,43 +798,11 @@ pub(super) fn settle(down: &TcpStream, up: &TcpStream) -> io::Result<Settled> {
 /// has data to report (`tcp_set_rcvlowat` → `tcp_data_ready`), which runs the verdict on
 /// segments queued before the socket entered the SockHash; the insertion alone does not.
 pub(super) fn set_rcvlowat(sock: &TcpStream) -> io::Result<()> {
-    let one: libc::c_int = 1;
-    // SAFETY: the fd is an open socket owned by `sock`; the option value is a c_int of
-    // the size given.
-    let rc = unsafe {
-        libc::setsockopt(
-            sock.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_RCVLOWAT,
-            std::ptr::addr_of!(one).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
+    crate::sys::set_rcvlowat(sock, 1)
 }
 
 pub(super) fn cookie(sock: &TcpStream) -> io::Result<u64> {
-    let mut cookie: u64 = 0;
-    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
-    // SAFETY: fd is an open socket owned by `sock`; cookie and len are valid for writes
-    // of the sizes given.
-    let rc = unsafe {
-        libc::getsockopt(
-            sock.as_raw_fd(),
-            libc::SOL_SOCKET,
-            SO_COOKIE,
-            (&raw mut cookie).cast(),
-            &mut len,
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(cookie)
+    crate::sys::cookie(sock)
 }
 
 pub(super) fn set_buffers(sock: &TcpStream, size: usize) -> io::Result<()> {

@@ -2,7 +2,6 @@
 //! it starts, on a thread of its own (the call blocks).
 
 use std::{
-    io,
     sync::{Arc, Condvar, Mutex},
     time::{Duration, Instant},
 };
@@ -106,12 +105,8 @@ impl Grace {
 }
 
 pub(super) fn membarrier() {
-    // SAFETY: membarrier takes no pointers; MEMBARRIER_CMD_GLOBAL waits for an RCU grace
-    // period (synchronize_rcu) on a machine with more than one CPU, and on one CPU every
-    // packet in flight has been handled by the time this thread runs.
-    let r = unsafe { libc::syscall(libc::SYS_membarrier, MEMBARRIER_CMD_GLOBAL, 0, 0) };
-    if r < 0 {
-        warn!(error = %io::Error::last_os_error(), "membarrier failed; sleeping 50 ms instead");
+    if let Err(error) = crate::sys::membarrier_global() {
+        warn!(%error, "membarrier failed; sleeping 50 ms instead");
         std::thread::sleep(Duration::from_millis(50));
     }
 }

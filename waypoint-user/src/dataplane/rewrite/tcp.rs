@@ -11,6 +11,7 @@ use std::{
 use waypoint_common::{Established, RewriteKey, ESTABLISHED_V4};
 
 use crate::dataplane::Socket;
+use crate::sys;
 
 use super::*;
 
@@ -188,39 +189,11 @@ pub(super) fn tcp_checksum(from: SocketAddrV4, to: SocketAddrV4, segment: &[u8])
 }
 
 pub(super) fn setsockopt_int(fd: RawFd, opt: libc::c_int, value: libc::c_int) -> io::Result<()> {
-    // SAFETY: a valid pointer to an int and its size.
-    let r = unsafe {
-        libc::setsockopt(
-            fd,
-            libc::IPPROTO_TCP,
-            opt,
-            (&raw const value).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    if r < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
+    sys::setsockopt_int(fd, libc::IPPROTO_TCP, opt, value)
 }
 
 pub(super) fn getsockopt_u32(fd: RawFd, opt: libc::c_int) -> io::Result<u32> {
-    let mut value: u32 = 0;
-    let mut len = std::mem::size_of::<u32>() as libc::socklen_t;
-    // SAFETY: a valid buffer of `len` bytes and its length.
-    let r = unsafe {
-        libc::getsockopt(
-            fd,
-            libc::IPPROTO_TCP,
-            opt,
-            (&raw mut value).cast(),
-            &raw mut len,
-        )
-    };
-    if r < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(value)
+    sys::getsockopt_u32(fd, libc::IPPROTO_TCP, opt)
 }
 
 pub(super) fn set_repair(fd: RawFd, mode: libc::c_int) -> io::Result<()> {
@@ -238,49 +211,18 @@ pub(super) fn queue_seq(fd: RawFd, queue: libc::c_int) -> io::Result<u32> {
 /// the only read repair mode allows, from the queue selected with `TCP_REPAIR_QUEUE`).
 /// Returns how many bytes it copied: 0 at a FIN or with nothing queued.
 pub(super) fn peek(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {
-    // SAFETY: `buf` is valid for writes of its length for the call.
-    let n = unsafe {
-        libc::recv(
-            fd,
-            buf.as_mut_ptr().cast(),
-            buf.len(),
-            libc::MSG_PEEK | libc::MSG_DONTWAIT,
-        )
-    };
-    if n < 0 {
-        let e = io::Error::last_os_error();
-        return if e.kind() == io::ErrorKind::WouldBlock {
-            Ok(0)
-        } else {
-            Err(e)
-        };
-    }
-    Ok(n as usize)
+    sys::peek(fd, buf)
 }
 
 /// The socket's TSval clock as an offset from CLOCK_MONOTONIC in milliseconds, the
 /// clock the program reads.
 pub(in crate::dataplane) fn ts_clock(fd: RawFd) -> io::Result<u32> {
     let ts = getsockopt_u32(fd, TCP_TIMESTAMP)?;
-    let mut now = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: a valid timespec to write into.
-    if unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &raw mut now) } < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let ms = (now.tv_sec as u64 * 1000 + now.tv_nsec as u64 / 1_000_000) as u32;
-    Ok(ts.wrapping_sub(ms))
+    Ok(ts.wrapping_sub(sys::monotonic_ms()?))
 }
 
 pub(super) fn ioctl_int(fd: RawFd, req: libc::Ioctl) -> io::Result<libc::c_int> {
-    let mut v: libc::c_int = 0;
-    // SAFETY: both requests write one int.
-    if unsafe { libc::ioctl(fd, req, &raw mut v) } < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(v)
+    sys::ioctl_int(fd, req)
 }
 
 /// What the rewrite needs of a connection's `TCP_INFO`.

@@ -1,0 +1,45 @@
+//! Process-wide calls: limits, clocks, memory barriers.
+
+use std::io;
+
+/// `MEMBARRIER_CMD_GLOBAL` (`linux/membarrier.h`).
+const MEMBARRIER_CMD_GLOBAL: libc::c_int = 1;
+
+/// Raises RLIMIT_MEMLOCK to unlimited: kernels before 5.11 charge BPF maps to it.
+pub(crate) fn raise_memlock_limit() -> io::Result<()> {
+    let unlimited = libc::rlimit {
+        rlim_cur: libc::RLIM_INFINITY,
+        rlim_max: libc::RLIM_INFINITY,
+    };
+    // SAFETY: setrlimit reads one rlimit struct, which lives for the call.
+    if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &raw const unlimited) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// CLOCK_MONOTONIC in milliseconds, truncated to 32 bits (the clock TCP timestamps
+/// count in).
+pub(crate) fn monotonic_ms() -> io::Result<u32> {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec, which lives for the call.
+    if unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &raw mut now) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok((now.tv_sec as u64 * 1000 + now.tv_nsec as u64 / 1_000_000) as u32)
+}
+
+/// `membarrier(MEMBARRIER_CMD_GLOBAL)`: returns after an RCU grace period
+/// (`synchronize_rcu`) on a machine with more than one CPU; on one CPU, every packet in
+/// flight has been handled by the time this thread runs.
+pub(crate) fn membarrier_global() -> io::Result<()> {
+    // SAFETY: membarrier takes no pointers.
+    let r = unsafe { libc::syscall(libc::SYS_membarrier, MEMBARRIER_CMD_GLOBAL, 0, 0) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
