@@ -278,12 +278,12 @@ type SockmapForward = Pin<Box<dyn Future<Output = Result<Outcome, Error>> + Send
 /// What the rewrite hand-over led to.
 #[allow(
     clippy::large_enum_variant,
-    reason = "a spliced connection lives in `Spliced` for its whole life, inline in its \
+    reason = "a spliced connection lives in `Rewritten` for its whole life, inline in its \
               task; the other variants are momentary, and a box would cost an allocation \
               per connection"
 )]
 enum HandOver {
-    Spliced(rewrite::Spliced),
+    Rewritten(rewrite::Rewritten),
     /// Refused: the SockHash splice takes it.
     Sockmap(SockmapForward),
     /// Ended at the hand-over.
@@ -292,12 +292,12 @@ enum HandOver {
 
 pin_project_lite::pin_project! {
     /// [`Ebpf::forward`] with the rewrite splice. Hand-written, so that a spliced
-    /// connection's task holds only [`rewrite::Spliced`] (inline): the hand-over, and the
+    /// connection's task holds only [`rewrite::Rewritten`] (inline): the hand-over, and the
     /// SockHash path of a refused connection, are boxed and the box is freed once done.
     #[project = RewritingProj]
     enum Rewriting {
         HandOver { fut: Pin<Box<dyn Future<Output = HandOver> + Send>> },
-        Spliced { #[pin] spliced: rewrite::Spliced },
+        Rewritten { #[pin] spliced: rewrite::Rewritten },
         Sockmap { fut: SockmapForward },
     }
 }
@@ -309,11 +309,11 @@ impl Future for Rewriting {
         loop {
             let next = match self.as_mut().project() {
                 RewritingProj::HandOver { fut } => ready!(fut.as_mut().poll(cx)),
-                RewritingProj::Spliced { spliced } => return spliced.poll(cx).map(Ok),
+                RewritingProj::Rewritten { spliced } => return spliced.poll(cx).map(Ok),
                 RewritingProj::Sockmap { fut } => return fut.as_mut().poll(cx),
             };
             match next {
-                HandOver::Spliced(spliced) => self.set(Rewriting::Spliced { spliced }),
+                HandOver::Rewritten(spliced) => self.set(Rewriting::Rewritten { spliced }),
                 HandOver::Sockmap(fut) => self.set(Rewriting::Sockmap { fut }),
                 HandOver::Ended(outcome) => return Poll::Ready(Ok(outcome)),
             }
@@ -651,7 +651,7 @@ impl Ebpf {
                 };
                 match rewriter.hand_over(downstream, upstream, initial).await {
                     Ok(Ok(handed)) => {
-                        HandOver::Spliced(rewrite::Spliced::new(rewriter, handed, limits))
+                        HandOver::Rewritten(rewrite::Rewritten::new(rewriter, handed, limits))
                     }
                     Ok(Err(e)) => HandOver::Ended(Outcome {
                         downstream_to_upstream: 0,

@@ -75,7 +75,7 @@ struct Shared {
 }
 
 /// The thread's own state.
-struct Watch {
+struct Attached {
     /// Interface index → its name when attached, and the link.
     links: BTreeMap<u32, (String, SchedClassifierLinkId)>,
     /// (index, name) pairs whose attachment failed: not tried again (a renamed interface
@@ -96,7 +96,7 @@ impl Links {
             attached: AtomicU64::new(0),
             failed: AtomicU64::new(0),
         });
-        let mut watch = Watch {
+        let mut watch = Attached {
             links: BTreeMap::new(),
             failed: BTreeSet::new(),
         };
@@ -178,7 +178,7 @@ fn run<O: ProgramOwner>(
     sock: &OwnedFd,
     object: &Weak<Mutex<O>>,
     program: &str,
-    watch: &mut Watch,
+    watch: &mut Attached,
     shared: &Shared,
 ) {
     // Messages are only a cue; 16 KiB holds several (a larger one is cut, harmlessly).
@@ -211,7 +211,7 @@ fn run<O: ProgramOwner>(
     }
 }
 
-impl Watch {
+impl Attached {
     /// Drops the links of interfaces that went, and attaches to new ones.
     fn sync(&mut self, prog: &mut SchedClassifier, current: &[(u32, String)], shared: &Shared) {
         let present: BTreeSet<u32> = current.iter().map(|(i, _)| *i).collect();

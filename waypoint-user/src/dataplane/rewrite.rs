@@ -158,7 +158,7 @@ pub struct Counts {
     /// Hand-overs whose client sent on before the entries were in: B carried the bytes
     /// that landed in A (and a FIN), and the connection went on spliced (step 4).
     pub filled: u64,
-    /// Spliced connections whose entries are in the map: open, or ended and lingering.
+    /// Rewritten connections whose entries are in the map: open, or ended and lingering.
     pub live: u64,
     /// Hand-overs under way: from reading the sequence numbers to the grace check.
     pub pending: u64,
@@ -416,13 +416,13 @@ impl Rewriter {
     }
 
     /// Steps 1 to 4 of the hand-over: the connection spliced (to be followed by
-    /// [`Spliced`]), ended at the hand-over, or handed back untouched.
+    /// [`Rewritten`]), ended at the hand-over, or handed back untouched.
     pub async fn hand_over(
         &self,
         downstream: Socket,
         upstream: Socket,
         initial: Vec<u8>,
-    ) -> Result<Result<Handed, io::Error>, Refused> {
+    ) -> Result<Result<HandedOver, io::Error>, Refused> {
         let start = Instant::now();
         // Synchronous, so that none of its working state stays in this future across
         // the awaits below.
@@ -514,7 +514,7 @@ impl Rewriter {
                 return Ok(Err(e));
             }
         };
-        Ok(Ok(Handed {
+        Ok(Ok(HandedOver {
             addrs,
             slot,
             upstream,
@@ -528,7 +528,7 @@ impl Rewriter {
 
     /// Steps 1 and 2 of the hand-over: the checks, the sequence numbers, the entries.
     /// On refusal A is out of repair mode again. The slot is registered for signals
-    /// ([`Signals::expect`]) before the entries go in, so that [`Spliced`] knows whether
+    /// ([`Signals::expect`]) before the entries go in, so that [`Rewritten`] knows whether
     /// an end came before its first poll without looking at the entries; a connection
     /// that ends during the hand-over wakes nobody.
     fn prepare(
@@ -855,7 +855,7 @@ mod tcp;
 use fill::*;
 use grace::*;
 use spliced::*;
-pub(super) use spliced::{Handed, Spliced};
+pub(super) use spliced::{HandedOver, Rewritten};
 use tcp::*;
 #[cfg(test)]
 pub(super) use tcp::{snapshot, ts_clock, Seqs};

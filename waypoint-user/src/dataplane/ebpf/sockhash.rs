@@ -61,7 +61,7 @@ pub(super) enum Entry {
 impl Ebpf {
     /// The SockHash splice (after the copy, see [`Config::splice_after`]).
     ///
-    /// The kernel phase ([`Ebpf::splice`], about 2.6 KB of state in a debug build) is boxed: inline, it
+    /// The kernel phase ([`Ebpf::redirect`], about 2.6 KB of state in a debug build) is boxed: inline, it
     /// would size every connection's task, and most connections (short or idle ones)
     /// never leave the copy.
     ///
@@ -77,7 +77,7 @@ impl Ebpf {
         let dp = Arc::clone(self);
         if self.config.splice_after == 0 {
             return Either::Left(Box::pin(async move {
-                dp.splice(
+                dp.redirect(
                     downstream,
                     upstream,
                     initial,
@@ -138,7 +138,7 @@ impl Ebpf {
         };
         if self.repeat_check {
             let mut outcome = self
-                .splice(
+                .redirect(
                     downstream,
                     upstream,
                     Vec::new(),
@@ -168,7 +168,7 @@ impl Ebpf {
             "settled before the move"
         );
         let mut outcome = self
-            .splice(
+            .redirect(
                 downstream,
                 upstream,
                 settled.down_rest,
@@ -186,7 +186,7 @@ impl Ebpf {
     /// userspace) and forwards it to the end.
     /// `down_initial` and `up_initial` are written to the upstream and the downstream
     /// first.
-    pub(super) async fn splice(
+    pub(super) async fn redirect(
         &self,
         downstream: TcpStream,
         upstream: TcpStream,
@@ -372,7 +372,7 @@ impl Ebpf {
         Ok(outcome)
     }
 
-    /// The setup of [`Ebpf::splice`], up to the sockets' insertion: baselines, records,
+    /// The setup of [`Ebpf::redirect`], up to the sockets' insertion: baselines, records,
     /// the drain, credit, insertion and kick. On an error the caller resets both sockets.
     pub(super) fn enter<'s>(
         &'s self,

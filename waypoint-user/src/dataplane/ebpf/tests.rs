@@ -21,7 +21,7 @@ use super::*;
 /// A connection moved from the copy into the SockHash (`Entry::Kick`), forwarded to its
 /// end.
 async fn moved(dp: &Ebpf, down: TcpStream, up: TcpStream, limits: Limits) -> Outcome {
-    dp.splice(down, up, Vec::new(), Vec::new(), limits, Entry::Kick)
+    dp.redirect(down, up, Vec::new(), Vec::new(), limits, Entry::Kick)
         .await
         .unwrap()
 }
@@ -42,7 +42,7 @@ async fn pair() -> (TcpStream, TcpStream) {
     (a, b)
 }
 
-/// A spliced connection's task holds [`Rewriting`] (its `Spliced` inline) for the
+/// A spliced connection's task holds [`Rewriting`] (its `Rewritten` inline) for the
 /// connection's life, in an enum beside the SockHash path's future: it must take no
 /// more room than that, or every connection pays for it. Printed for
 /// docs/ARCHITECTURE.md.
@@ -53,8 +53,8 @@ fn the_rewrite_path_is_no_bigger_than_the_sockhash_path() {
     }
     let sockhash = returned(Ebpf::forward_sockmap);
     let rewriting = size_of::<Rewriting>();
-    let spliced = size_of::<rewrite::Spliced>();
-    eprintln!("sockhash path {sockhash} B, rewrite path {rewriting} B (Spliced {spliced} B)");
+    let spliced = size_of::<rewrite::Rewritten>();
+    eprintln!("sockhash path {sockhash} B, rewrite path {rewriting} B (Rewritten {spliced} B)");
     assert!(
         rewriting <= sockhash,
         "the rewrite path ({rewriting} B) outgrew the SockHash path ({sockhash} B)"

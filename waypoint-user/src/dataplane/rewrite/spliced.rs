@@ -1,4 +1,4 @@
-//! A connection spliced by rewriting, after its hand-over: [`Spliced`] waits for the
+//! A connection spliced by rewriting, after its hand-over: [`Rewritten`] waits for the
 //! program's report of its end (or its idle timeout or lifetime), then lets its entries
 //! linger ([`Lingering`]) for the last ACK and any resent FIN.
 
@@ -19,8 +19,8 @@ use crate::dataplane::{End, Limits, Outcome};
 
 use super::*;
 
-/// What the hand-over leaves of a spliced connection: all [`Spliced`] needs.
-pub(in crate::dataplane) struct Handed {
+/// What the hand-over leaves of a spliced connection: all [`Rewritten`] needs.
+pub(in crate::dataplane) struct HandedOver {
     pub(super) addrs: Addrs,
     pub(super) slot: u32,
     /// B, kept for its 4-tuple (and, until the pod acknowledges it, to resend the hello).
@@ -50,14 +50,14 @@ pin_project_lite::pin_project! {
     /// bytes, inline in the connection's task): an `async fn` would hold the hand-over's
     /// state beside it. Dropped before its end (the drain deadline), it ends the
     /// connection: entries out, both ends reset.
-    pub(in crate::dataplane) struct Spliced {
+    pub(in crate::dataplane) struct Rewritten {
         #[pin]
         timer: tokio::time::Sleep,
         conn: Conn,
     }
 }
 
-/// [`Spliced`] without its timer.
+/// [`Rewritten`] without its timer.
 pub(super) struct Conn {
     pub(super) rewriter: Arc<Rewriter>,
     pub(super) addrs: Addrs,
@@ -65,9 +65,9 @@ pub(super) struct Conn {
     /// B; None once handed to the linger ([`Lingering`]).
     pub(super) upstream: Option<OwnedFd>,
     pub(super) initial_len: u64,
-    /// See [`Handed::carried`].
+    /// See [`HandedOver::carried`].
     pub(super) carried: u32,
-    /// See [`Handed::filled`].
+    /// See [`HandedOver::filled`].
     pub(super) filled: bool,
     pub(super) idle_timeout: Duration,
     /// When the lifetime ends, if it does.
@@ -92,10 +92,10 @@ pub(super) enum Phase {
     Done,
 }
 
-impl Spliced {
+impl Rewritten {
     /// `rewriter` must be the one that handed the connection over.
-    pub fn new(rewriter: Arc<Rewriter>, handed: Handed, limits: Limits) -> Spliced {
-        let Handed {
+    pub fn new(rewriter: Arc<Rewriter>, handed: HandedOver, limits: Limits) -> Rewritten {
+        let HandedOver {
             addrs,
             slot,
             upstream,
@@ -123,7 +123,7 @@ impl Spliced {
                 look,
             },
         };
-        Spliced {
+        Rewritten {
             timer: tokio::time::sleep_until(conn.deadline(Instant::now()).into()),
             conn,
         }
@@ -188,7 +188,7 @@ impl Conn {
     }
 }
 
-impl Future for Spliced {
+impl Future for Rewritten {
     type Output = Outcome;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Outcome> {
@@ -289,7 +289,7 @@ pub(super) struct Lingering {
     pub(super) entries: Entries,
     pub(super) slot: u32,
     pub(super) upstream: OwnedFd,
-    /// See [`Handed::filled`].
+    /// See [`HandedOver::filled`].
     pub(super) filled: bool,
 }
 
