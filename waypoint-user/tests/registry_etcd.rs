@@ -8,6 +8,9 @@
 #[path = "common/etcd.rs"]
 #[allow(dead_code, reason = "the harness serves several test binaries")]
 mod etcd_harness;
+#[path = "common/records.rs"]
+#[allow(dead_code, reason = "shared by the etcd test binaries")]
+mod records;
 
 use std::{collections::BTreeMap, net::IpAddr, time::Duration};
 
@@ -18,72 +21,17 @@ use waypoint::{
     horizon::{self, Mode, Viewer},
     model::Endpoint,
     registry::{
-        etcd::{
-            self as reg, Connector, LocalEndpoint, LocalSource, NodeIdentity, Registrar, TlsArgs,
-            Watcher,
-        },
+        etcd::{self as reg, Connector, LocalSource, Registrar, TlsArgs, Watcher},
         metrics::Metrics,
         record,
     },
     store::Store,
 };
 
-const WAIT: Duration = Duration::from_secs(20);
+use records::{content, endpoint, has_pod, identity, local, WAIT};
 
 fn connector(etcd: &Etcd) -> Connector {
     Connector::new(vec![etcd.url()], &TlsArgs::default()).unwrap()
-}
-
-fn endpoint(cluster: &str, node: &str, pod: &str, ip: &str) -> Endpoint {
-    Endpoint {
-        service: "reviews".into(),
-        namespace: "bookinfo".into(),
-        cluster: cluster.into(),
-        region: "eu".into(),
-        zone: format!("eu-{cluster}"),
-        pod_ip: ip.parse().unwrap(),
-        pod_name: pod.into(),
-        node_name: node.into(),
-        // Distinct per cluster and pod: 192.168.<cluster letter>.<pod's last octet>.
-        node_ip: Some(
-            format!(
-                "192.168.{}.{}",
-                cluster.as_bytes()[0] - b'a' + 1,
-                ip.rsplit('.').next().unwrap()
-            )
-            .parse()
-            .unwrap(),
-        ),
-        service_account: "reviews".into(),
-        ports: vec![9080],
-        service_ports: Vec::new(),
-        ready: true,
-        exported: true,
-    }
-}
-
-fn local(pod: &str, ip: &str) -> LocalEndpoint {
-    LocalEndpoint {
-        service: "reviews".into(),
-        namespace: "bookinfo".into(),
-        pod_ip: ip.parse().unwrap(),
-        pod_name: pod.into(),
-        service_account: "reviews".into(),
-        ports: vec![9080],
-        service_ports: Vec::new(),
-        ready: true,
-        exported: true,
-    }
-}
-
-fn identity(cluster: &str, node: &str, node_ip: Option<&str>) -> NodeIdentity {
-    NodeIdentity {
-        cluster: cluster.into(),
-        node: node.into(),
-        node_ip: node_ip.map(|i| i.parse().unwrap()),
-        region: "eu".into(),
-        zone: format!("eu-{cluster}"),
-    }
 }
 
 /// A watcher feeding a fresh store.
@@ -94,15 +42,6 @@ fn watch(etcd: &Etcd, stop: &CancellationToken) -> (Store, Metrics, reg::Watcher
     (store, metrics, handle)
 }
 
-/// The store's content keyed like etcd.
-fn content(store: &Store) -> BTreeMap<String, Endpoint> {
-    store
-        .snapshot()
-        .all()
-        .map(|e| (record::key(e).unwrap(), Endpoint::clone(e)))
-        .collect()
-}
-
 /// etcd's content: every valid record under the root.
 async fn etcd_content(etcd: &Etcd) -> BTreeMap<String, Endpoint> {
     reg::snapshot(&connector(etcd)).await.unwrap().endpoints
@@ -110,24 +49,7 @@ async fn etcd_content(etcd: &Etcd) -> BTreeMap<String, Endpoint> {
 
 /// Waits until the store holds exactly what etcd holds.
 async fn converges(store: &Store, etcd: &Etcd) -> Duration {
-    let start = std::time::Instant::now();
-    loop {
-        let want = etcd_content(etcd).await;
-        if content(store) == want {
-            return start.elapsed();
-        }
-        assert!(
-            start.elapsed() < WAIT,
-            "store never converged:\nstore {:#?}\netcd {:#?}",
-            content(store).keys(),
-            want.keys()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-fn has_pod(store: &Store, pod: &str) -> bool {
-    store.snapshot().all().any(|e| e.pod_name == pod)
+    records::converges(store, || etcd_content(etcd), true).await
 }
 
 #[tokio::test]

@@ -7,6 +7,9 @@
 #[path = "common/etcd.rs"]
 #[allow(dead_code, reason = "the harness serves several test binaries")]
 mod etcd_harness;
+#[path = "common/records.rs"]
+#[allow(dead_code, reason = "shared by the etcd test binaries")]
+mod records;
 
 use std::{collections::BTreeMap, path::PathBuf, time::Duration};
 
@@ -15,17 +18,14 @@ use tokio_util::sync::CancellationToken;
 use waypoint::{
     model::Endpoint,
     registry::{
-        etcd::{
-            self as reg, Connector, LocalEndpoint, LocalSource, NodeIdentity, Registrar, TlsArgs,
-            Watcher,
-        },
+        etcd::{self as reg, Connector, LocalSource, Registrar, TlsArgs, Watcher},
         metrics::Metrics,
-        record,
     },
     store::Store,
 };
 
-const WAIT: Duration = Duration::from_secs(20);
+use records::{content, endpoint, has_pod, identity, local, WAIT};
+
 /// A refused connection must say so well within this: no retry loop, no hang.
 const REFUSED_WITHIN: Duration = Duration::from_secs(10);
 
@@ -44,55 +44,12 @@ fn connector(etcd: &Etcd) -> Connector {
     Connector::new(etcd.urls(), &mutual_tls(etcd)).unwrap()
 }
 
-fn endpoint(cluster: &str, node: &str, pod: &str, ip: &str) -> Endpoint {
-    Endpoint {
-        service: "reviews".into(),
-        namespace: "bookinfo".into(),
-        cluster: cluster.into(),
-        region: "eu".into(),
-        zone: format!("eu-{cluster}"),
-        pod_ip: ip.parse().unwrap(),
-        pod_name: pod.into(),
-        node_name: node.into(),
-        node_ip: Some("192.168.20.1".parse().unwrap()),
-        service_account: "reviews".into(),
-        ports: vec![9080],
-        service_ports: Vec::new(),
-        ready: true,
-        exported: true,
-    }
-}
-
-fn local(pod: &str, ip: &str) -> LocalEndpoint {
-    LocalEndpoint {
-        service: "reviews".into(),
-        namespace: "bookinfo".into(),
-        pod_ip: ip.parse().unwrap(),
-        pod_name: pod.into(),
-        service_account: "reviews".into(),
-        ports: vec![9080],
-        service_ports: Vec::new(),
-        ready: true,
-        exported: true,
-    }
-}
-
-fn identity(cluster: &str, node: &str) -> NodeIdentity {
-    NodeIdentity {
-        cluster: cluster.into(),
-        node: node.into(),
-        node_ip: Some("192.168.10.1".parse().unwrap()),
-        region: "eu".into(),
-        zone: format!("eu-{cluster}"),
-    }
-}
-
 /// A registrar of `pods` for node `node` of cluster a, through `connector`.
 fn registrar(connector: Connector, node: &str, pods: &[(&str, &str)]) -> (Registrar, Metrics) {
     let metrics = Metrics::unregistered();
     let r = Registrar::new(
         connector,
-        identity("a", node),
+        identity("a", node, Some("192.168.10.1")),
         LocalSource::Fixed(pods.iter().map(|(p, ip)| local(p, ip)).collect()),
         Duration::from_secs(5),
         metrics.clone(),
@@ -108,39 +65,14 @@ fn watch(connector: Connector, stop: &CancellationToken) -> (Store, Metrics) {
     (store, metrics)
 }
 
-fn content(store: &Store) -> BTreeMap<String, Endpoint> {
-    store
-        .snapshot()
-        .all()
-        .map(|e| (record::key(e).unwrap(), Endpoint::clone(e)))
-        .collect()
-}
-
-fn has_pod(store: &Store, pod: &str) -> bool {
-    store.snapshot().all().any(|e| e.pod_name == pod)
-}
-
 /// etcd's content, read by the harness's own client (not the code under test).
 async fn etcd_content(etcd: &Etcd) -> BTreeMap<String, Endpoint> {
     reg::list(&mut etcd.client().await).await.unwrap().endpoints
 }
 
-/// Waits until the store holds exactly what etcd holds.
+/// Waits until the store holds exactly what etcd holds, and something.
 async fn converges(store: &Store, etcd: &Etcd) -> Duration {
-    let start = std::time::Instant::now();
-    loop {
-        let want = etcd_content(etcd).await;
-        if !want.is_empty() && content(store) == want {
-            return start.elapsed();
-        }
-        assert!(
-            start.elapsed() < WAIT,
-            "store never converged:\nstore {:#?}\netcd {:#?}",
-            content(store).keys(),
-            want.keys()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    records::converges(store, || etcd_content(etcd), false).await
 }
 
 /// `reg::snapshot` through `connector`, which must fail, and soon: its error text.
