@@ -12,6 +12,7 @@
 //! one side aborts the other; an idle or over-age connection is closed. A connection that
 //! holds bytes and makes no progress is counted and logged once ([`stall`]).
 
+mod background;
 mod bpf_cmd;
 mod btf;
 pub mod copy;

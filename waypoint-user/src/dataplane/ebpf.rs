@@ -685,8 +685,12 @@ impl Ebpf {
 }
 
 impl Drop for Ebpf {
+    /// Stops and joins the dataplane's threads (the links thread as `links` drops).
     fn drop(&mut self) {
         self.signals.stop();
+        if let Some(rewriter) = &self.rewrite {
+            rewriter.stop();
+        }
     }
 }
 

@@ -13,7 +13,7 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    os::fd::{AsRawFd as _, OwnedFd},
+    os::fd::{AsFd as _, AsRawFd as _, OwnedFd},
     sync::{
         atomic::{AtomicU64, Ordering::Relaxed},
         Arc, Mutex, Weak,
@@ -22,8 +22,11 @@ use std::{
 };
 
 use aya::programs::{tc::SchedClassifierLinkId, SchedClassifier, TcAttachType};
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::socket::{self, AddressFamily, NetlinkAddr, SockFlag, SockProtocol, SockType};
 use tracing::{debug, info, warn};
+
+use super::background::{Background, JOIN_WITHIN};
 
 /// How long the thread waits for a link change before it compares anyway (and looks
 /// whether the dataplane is still there).
@@ -64,9 +67,22 @@ pub struct LinkCounts {
 }
 
 /// The attachments of the rewrite program, kept up to date by a thread for as long as
-/// this lives (the thread ends within a second of the drop).
+/// this lives (the drop stops the thread and joins it).
 pub struct Links {
     shared: Arc<Shared>,
+    /// The write end of the pipe the thread polls beside the netlink socket: closing it
+    /// wakes the thread, which then exits.
+    stop: Option<OwnedFd>,
+    thread: Option<Background>,
+}
+
+impl Drop for Links {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(t) = &mut self.thread {
+            t.join(JOIN_WITHIN);
+        }
+    }
 }
 
 struct Shared {
@@ -120,11 +136,17 @@ impl Links {
         shared.attached.store(watch.links.len() as u64, Relaxed);
         let weak = Arc::downgrade(object);
         let thread_shared = shared.clone();
-        std::thread::Builder::new()
-            .name("waypoint-links".into())
-            .spawn(move || run(&sock, &weak, program, &mut watch, &thread_shared))
-            .map_err(Error::Thread)?;
-        Ok(Links { shared })
+        let (stop_rd, stop) =
+            nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(Error::Netlink)?;
+        let thread = Background::spawn("waypoint-links", move || {
+            run(&sock, &stop_rd, &weak, program, &mut watch, &thread_shared);
+        })
+        .map_err(Error::Thread)?;
+        Ok(Links {
+            shared,
+            stop: Some(stop),
+            thread: Some(thread),
+        })
     }
 
     /// The attachments now, and the failures since start.
@@ -176,6 +198,7 @@ fn interfaces() -> Result<Vec<(u32, String)>, Error> {
 
 fn run<O: ProgramOwner>(
     sock: &OwnedFd,
+    stop: &OwnedFd,
     object: &Weak<Mutex<O>>,
     program: &str,
     watch: &mut Attached,
@@ -183,8 +206,19 @@ fn run<O: ProgramOwner>(
 ) {
     // Messages are only a cue; 16 KiB holds several (a larger one is cut, harmlessly).
     let mut buf = vec![0u8; 16 * 1024];
+    let timeout = PollTimeout::try_from(RESCAN).unwrap_or(PollTimeout::NONE);
     loop {
-        match socket::recv(sock.as_raw_fd(), &mut buf, socket::MsgFlags::empty()) {
+        let mut fds = [
+            PollFd::new(sock.as_fd(), PollFlags::POLLIN),
+            PollFd::new(stop.as_fd(), PollFlags::POLLIN),
+        ];
+        // An error here is met again by the read below.
+        let _ = poll(&mut fds, timeout);
+        if fds[1].any().unwrap_or(true) {
+            debug!("link watcher: stopped");
+            return;
+        }
+        match socket::recv(sock.as_raw_fd(), &mut buf, socket::MsgFlags::MSG_DONTWAIT) {
             // A change, a second without one, or changes lost to a full buffer: compare.
             Ok(_) | Err(nix::Error::EAGAIN | nix::Error::EINTR | nix::Error::ENOBUFS) => {}
             Err(e) => {

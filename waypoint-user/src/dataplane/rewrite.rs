@@ -40,7 +40,7 @@ use std::{
     os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd},
     sync::{
         atomic::{
-            AtomicU32, AtomicU64, AtomicU8,
+            AtomicBool, AtomicU32, AtomicU64, AtomicU8,
             Ordering::{Acquire, Relaxed, Release},
         },
         Arc, Mutex, MutexGuard,
@@ -55,6 +55,7 @@ use waypoint_common::{
     REWRITE_FIN, REWRITE_FROM_POD, REWRITE_RST, REWRITE_SLOT_BASE, REWRITE_WATCH,
 };
 
+use super::background::{Background, JOIN_WITHIN};
 use super::bpf_cmd::{self, per_cpu_total};
 use super::established::Records;
 use super::signals::Signals;
@@ -208,6 +209,9 @@ pub(super) struct Rewriter {
     lingering: Mutex<VecDeque<Lingering>>,
     /// The ports whose packets the program looks up.
     ports: Ports,
+    /// The linger thread ([`Rewriter::start_sweeping`]), and the flag that stops it.
+    sweeper: Mutex<Option<Background>>,
+    stopping: AtomicBool,
 }
 
 /// The program's port filter (`REWRITE_PORTS_MAP`), and the bits set in it so far, so
@@ -297,23 +301,39 @@ impl Rewriter {
             pod_port,
             lingering: Mutex::new(VecDeque::new()),
             ports: Ports::new(ports),
+            sweeper: Mutex::new(None),
+            stopping: AtomicBool::new(false),
         }
     }
 
     /// Starts the thread that ends the lingering connections ([`Rewriter::sweep`]); it
-    /// exits once the rewriter is gone.
+    /// exits at [`Rewriter::stop`], or once the rewriter is gone.
     pub fn start_sweeping(self: &Arc<Self>) -> io::Result<()> {
         let weak = Arc::downgrade(self);
-        std::thread::Builder::new()
-            .name("waypoint-linger".into())
-            .spawn(move || loop {
-                std::thread::sleep(SWEEP_INTERVAL);
-                let Some(rewriter) = weak.upgrade() else {
-                    return;
-                };
-                rewriter.sweep(Instant::now());
-            })
-            .map(drop)
+        let thread = Background::spawn("waypoint-linger", move || loop {
+            std::thread::park_timeout(SWEEP_INTERVAL);
+            let Some(rewriter) = weak.upgrade() else {
+                return;
+            };
+            if rewriter.stopping.load(Relaxed) {
+                return;
+            }
+            rewriter.sweep(Instant::now());
+        })?;
+        *lock(&self.sweeper) = Some(thread);
+        Ok(())
+    }
+
+    /// Stops and joins the rewriter's threads (linger and grace). Connections still
+    /// lingering keep their entries until the maps go.
+    pub fn stop(&self) {
+        self.stopping.store(true, Relaxed);
+        let sweeper = lock(&self.sweeper).take();
+        if let Some(mut t) = sweeper {
+            t.unpark();
+            t.join(JOIN_WITHIN);
+        }
+        self.grace.stop();
     }
 
     /// Removes the entries of every connection whose linger is over, all in one map

@@ -28,6 +28,7 @@
 //! it runs on (a VM exit on a virtual machine), then this thread and the connection's
 //! worker each take a turn, about 18 µs of a new connection's setup on one CPU.
 
+use super::background::{Background, JOIN_WITHIN};
 use std::{
     collections::HashMap,
     future::Future,
@@ -68,6 +69,8 @@ pub(super) struct Signals {
     received: AtomicU64,
     /// Times the thread woke every waiting task because signals were lost.
     sweeps: AtomicU64,
+    /// The thread, joined by [`Signals::stop`].
+    thread: Mutex<Option<Background>>,
     /// Tests stop the thread from reading the ring, to fill it.
     #[cfg(test)]
     paused: AtomicBool,
@@ -157,22 +160,26 @@ impl Signals {
             stop: AtomicBool::new(false),
             received: AtomicU64::new(0),
             sweeps: AtomicU64::new(0),
+            thread: Mutex::new(None),
             #[cfg(test)]
             paused: AtomicBool::new(false),
             #[cfg(test)]
             idle: AtomicBool::new(false),
         });
         let s = signals.clone();
-        std::thread::Builder::new()
-            .name("waypoint-signals".into())
-            .spawn(move || s.run(ring, ends, stats))
+        let thread = Background::spawn("waypoint-signals", move || s.run(ring, ends, stats))
             .map_err(Error::Thread)?;
+        *lock(&signals.thread) = Some(thread);
         Ok(signals)
     }
 
-    /// Makes the thread exit (within [`LOSS_CHECK`]).
+    /// Makes the thread exit (within [`LOSS_CHECK`]) and joins it.
     pub fn stop(&self) {
         self.stop.store(true, Relaxed);
+        let thread = lock(&self.thread).take();
+        if let Some(mut t) = thread {
+            t.join(JOIN_WITHIN);
+        }
     }
 
     /// Stops the thread from reading the ring, or lets it go on. Returns once the thread
@@ -393,6 +400,7 @@ mod tests {
             stop: AtomicBool::new(false),
             received: AtomicU64::new(0),
             sweeps: AtomicU64::new(0),
+            thread: Mutex::new(None),
             paused: AtomicBool::new(false),
             idle: AtomicBool::new(false),
         }

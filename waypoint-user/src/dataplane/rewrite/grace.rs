@@ -9,6 +9,7 @@ use std::{
 use tracing::warn;
 
 use super::*;
+use crate::dataplane::background::{Background, JOIN_WITHIN};
 
 /// RCU grace periods for hand-overs, one `membarrier` for every hand-over waiting when it
 /// starts (about 8 ms each here). A thread of its own, as the call blocks.
@@ -16,6 +17,8 @@ pub(super) struct Grace {
     pub(super) state: Mutex<GraceState>,
     pub(super) wake: Condvar,
     pub(super) done: tokio::sync::watch::Sender<u64>,
+    /// The thread, joined by [`Grace::stop`].
+    thread: Mutex<Option<Background>>,
 }
 
 /// What hand-overs and the grace thread share.
@@ -27,6 +30,8 @@ pub(super) struct GraceState {
     /// (a system call). Busy or pausing between grace periods, the thread looks at
     /// `requested` before it waits again.
     pub(super) waiting: bool,
+    /// Set by [`Grace::stop`]: the thread exits.
+    pub(super) stopping: bool,
 }
 
 impl Grace {
@@ -35,17 +40,26 @@ impl Grace {
             state: Mutex::new(GraceState::default()),
             wake: Condvar::new(),
             done: tokio::sync::watch::Sender::new(0),
+            thread: Mutex::new(None),
         });
         let weak = Arc::downgrade(&grace);
-        let spawned = std::thread::Builder::new()
-            .name("waypoint-grace".into())
-            .spawn(move || Grace::run(&weak));
-        if let Err(e) = spawned {
+        match Background::spawn("waypoint-grace", move || Grace::run(&weak)) {
+            Ok(t) => *lock(&grace.thread) = Some(t),
             // Without the thread every hand-over would wait for ever: say so, and let
             // `wait` fall back to a grace period of its own.
-            warn!(error = %e, "starting the rewrite grace thread failed");
+            Err(e) => warn!(error = %e, "starting the rewrite grace thread failed"),
         }
         grace
+    }
+
+    /// Makes the thread exit and joins it.
+    pub(super) fn stop(&self) {
+        lock(&self.state).stopping = true;
+        self.wake.notify_all();
+        let thread = lock(&self.thread).take();
+        if let Some(mut t) = thread {
+            t.join(JOIN_WITHIN);
+        }
     }
 
     pub(super) fn run(weak: &std::sync::Weak<Grace>) {
@@ -55,6 +69,9 @@ impl Grace {
             let target = {
                 let mut state = lock(&grace.state);
                 while state.requested == done {
+                    if state.stopping {
+                        return;
+                    }
                     state.waiting = true;
                     let (g, timeout) = grace
                         .wake
