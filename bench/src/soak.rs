@@ -404,19 +404,8 @@ impl Lane {
                 let _ = writeln!(out, "  {what}: no socket known");
                 continue;
             };
-            let filter = format!("( sport = :{port} or dport = :{port} )");
-            let ss = tokio::process::Command::new("ss")
-                .args(["-tniem", "state", "all", &filter])
-                .output()
-                .await;
-            let text = match ss {
-                Ok(o) => String::from_utf8_lossy(&o.stdout).into_owned(),
-                Err(e) => format!("ss: {e}"),
-            };
             let _ = writeln!(out, "  {what} (port {port}):");
-            for l in text.lines() {
-                let _ = writeln!(out, "    {}", l.trim_end());
-            }
+            out.push_str(&sockets_on(port).await);
         }
         if let Some(a) = self.admin {
             let c = tokio::task::spawn_blocking(move || counters(a))
@@ -503,18 +492,25 @@ async fn left_open_report(pod: &server::State) -> String {
             "  open: connection {id} ({}), the waypoint's socket to the pod on port {port}:",
             scenario.name()
         );
-        let filter = format!("( sport = :{port} or dport = :{port} )");
-        let ss = tokio::process::Command::new("ss")
-            .args(["-tniem", "state", "all", &filter])
-            .output()
-            .await;
-        let text = match ss {
-            Ok(o) => String::from_utf8_lossy(&o.stdout).into_owned(),
-            Err(e) => format!("ss: {e}"),
-        };
-        for l in text.lines() {
-            let _ = writeln!(out, "    {}", l.trim_end());
-        }
+        out.push_str(&sockets_on(port).await);
+    }
+    out
+}
+
+/// `ss` of the TCP sockets on `port` (either end), each line indented.
+async fn sockets_on(port: u16) -> String {
+    let filter = format!("( sport = :{port} or dport = :{port} )");
+    let ss = tokio::process::Command::new("ss")
+        .args(["-tniem", "state", "all", &filter])
+        .output()
+        .await;
+    let text = match ss {
+        Ok(o) => String::from_utf8_lossy(&o.stdout).into_owned(),
+        Err(e) => format!("ss: {e}"),
+    };
+    let mut out = String::new();
+    for l in text.lines() {
+        let _ = writeln!(out, "    {}", l.trim_end());
     }
     out
 }

@@ -78,10 +78,9 @@ fn copy() {
     run(Kind::Copy, common::dataplane(Kind::Copy), &SEGMENTS);
 }
 
-/// Every repeat goes to userspace, as one the kernel has no memory to cut would: each
-/// lands in a skip record of its own, and userspace drops it.
-#[test]
-fn uncut() {
+/// An eBPF dataplane whose verdict cuts no repeat: each goes to userspace, as one the
+/// kernel has no memory to cut would.
+fn uncut_dataplane() -> Arc<Dataplane> {
     common::require_root();
     let dp = ebpf::Ebpf::load(ebpf::Config {
         splice_after: 0,
@@ -93,7 +92,14 @@ fn uncut() {
     })
     .unwrap();
     assert!(dp.repeat_check(), "tests run on a kernel with BTF");
-    let dp = Arc::new(Dataplane::Ebpf(Arc::new(dp)));
+    Arc::new(Dataplane::Ebpf(Arc::new(dp)))
+}
+
+/// Every repeat goes to userspace, as one the kernel has no memory to cut would: each
+/// lands in a skip record of its own, and userspace drops it.
+#[test]
+fn uncut() {
+    let dp = uncut_dataplane();
     run(Kind::Ebpf, dp.clone(), &REPEATING);
     assert_eq!(stat(&dp, Stat::Trimmed), 0);
     assert_eq!(stat(&dp, Stat::PassedRepeat), REPEATING.len() as u64);
@@ -107,45 +113,19 @@ fn uncut() {
 /// stuck: the stall watchdog ends the connection with resets rather than leave it hung.
 #[test]
 fn uncut_then_stranded() {
-    common::require_root();
-    let dp = ebpf::Ebpf::load(ebpf::Config {
-        splice_after: 0,
-        hooks: ebpf::Hooks {
-            trim_limit: Some(0),
-            ..ebpf::Hooks::default()
-        },
-        ..ebpf::Config::default()
-    })
-    .unwrap();
-    let dp = Arc::new(Dataplane::Ebpf(Arc::new(dp)));
-    private_netns();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let upstream = listener.local_addr().unwrap();
-        let limits = Limits {
-            stall_after: Some(Duration::from_millis(500)),
-            ..Limits::default()
-        };
-        let mut proxy = common::proxy(dp.clone(), upstream, HELLO, limits).await;
-        let std::net::SocketAddr::V4(proxy_addr) = proxy.addr else {
-            panic!("the proxy listens on IPv4")
-        };
-        let (go, wait) = mpsc::channel::<()>();
+    let dp = uncut_dataplane();
+    let limits = Limits {
+        stall_after: Some(Duration::from_millis(500)),
+        ..Limits::default()
+    };
+    in_private_netns(async {
         let (end, ended) = mpsc::channel::<()>();
-        let client =
-            std::thread::spawn(move || raw_client_until(proxy_addr, wait, &STRANDED, ended));
-        let (mut up, _) = timeout(BOUND, listener.accept()).await.unwrap().unwrap();
-        let mut got = vec![0u8; HELLO];
-        timeout(BOUND, up.read_exact(&mut got))
-            .await
-            .unwrap()
-            .unwrap();
-        go.send(()).unwrap();
+        let Started {
+            mut proxy,
+            mut up,
+            mut got,
+            client,
+        } = start(dp.clone(), limits, &STRANDED, ended).await;
         let out = common::next_outcome(&mut proxy, BOUND).await;
         assert_eq!(out.end, End::Stranded);
         end.send(()).unwrap();
@@ -169,36 +149,73 @@ const STRANDED: [(usize, usize); waypoint_common::SKIPS + 1] = [
 ];
 
 fn run(kind: Kind, dp: Arc<Dataplane>, segments: &'static [(usize, usize)]) {
+    in_private_netns(exercise(kind, dp, segments));
+}
+
+/// Runs `f` in a network namespace of this thread's own, on a runtime whose threads (and
+/// so every socket) live there.
+fn in_private_netns<F: std::future::Future>(f: F) -> F::Output {
     common::require_root();
     private_netns();
-    // Built after the unshare, so its threads (and every socket) live in the namespace.
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .unwrap();
-    rt.block_on(exercise(kind, dp, segments));
+    rt.block_on(f)
 }
 
-async fn exercise(kind: Kind, dp: Arc<Dataplane>, segments: &'static [(usize, usize)]) {
+/// A connection under way: the proxy, the pod's socket with what it read so far, and the
+/// raw client's thread.
+struct Started {
+    proxy: common::Proxy,
+    up: tokio::net::TcpStream,
+    got: Vec<u8>,
+    client: std::thread::JoinHandle<()>,
+}
+
+/// A proxy with `dp` in front of a pod, and a raw client through it that sends the hello
+/// and, once the pod has it (the dataplane has the sockets then), `segments`; its FIN
+/// once `fin` says so.
+async fn start(
+    dp: Arc<Dataplane>,
+    limits: Limits,
+    segments: &'static [(usize, usize)],
+    fin: mpsc::Receiver<()>,
+) -> Started {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let upstream = listener.local_addr().unwrap();
-    let mut proxy = common::proxy(dp.clone(), upstream, HELLO, Limits::default()).await;
+    let proxy = common::proxy(dp, upstream, HELLO, limits).await;
     let std::net::SocketAddr::V4(proxy_addr) = proxy.addr else {
         panic!("the proxy listens on IPv4")
     };
-
     let (go, wait) = mpsc::channel::<()>();
-    let client = std::thread::spawn(move || raw_client(proxy_addr, wait, segments));
-
+    let client = std::thread::spawn(move || raw_client(proxy_addr, wait, segments, fin));
     let (mut up, _) = timeout(BOUND, listener.accept()).await.unwrap().unwrap();
     let mut got = vec![0u8; HELLO];
     timeout(BOUND, up.read_exact(&mut got))
         .await
         .unwrap()
         .unwrap();
-    // The dataplane has the sockets now (it wrote the hello): send the rest.
     go.send(()).unwrap();
+    Started {
+        proxy,
+        up,
+        got,
+        client,
+    }
+}
+
+async fn exercise(kind: Kind, dp: Arc<Dataplane>, segments: &'static [(usize, usize)]) {
+    // The client's FIN goes right after its segments.
+    let (done, fin) = mpsc::channel();
+    drop(done);
+    let Started {
+        mut proxy,
+        mut up,
+        mut got,
+        client,
+    } = start(dp, Limits::default(), segments, fin).await;
     timeout(BOUND, up.read_to_end(&mut got))
         .await
         .unwrap()
@@ -273,18 +290,11 @@ const SYN: u8 = 0x02;
 const PSH: u8 = 0x08;
 const ACK: u8 = 0x10;
 
-/// A TCP client on a raw socket: handshake, the hello, then `segments` and a FIN.
-/// It never acknowledges the server's data (the server sends none) or its FIN.
-fn raw_client(server: SocketAddrV4, go: mpsc::Receiver<()>, segments: &[(usize, usize)]) {
-    let (done, fin) = mpsc::channel();
-    drop(done);
-    raw_client_until(server, go, segments, fin);
-}
-
-/// As [`raw_client`], sending its FIN only once `fin` says so (or is dropped). Each
-/// segment waits 300 ms after the one before was acknowledged, time for the dataplane
-/// to read what it was passed.
-fn raw_client_until(
+/// A TCP client on a raw socket: handshake, the hello, then `segments`, and its FIN once
+/// `fin` says so (or is dropped). It never acknowledges the server's data (the server
+/// sends none) or its FIN. Each segment waits 300 ms after the one before was
+/// acknowledged, time for the dataplane to read what it was passed.
+fn raw_client(
     server: SocketAddrV4,
     go: mpsc::Receiver<()>,
     segments: &[(usize, usize)],
