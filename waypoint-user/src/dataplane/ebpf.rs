@@ -167,9 +167,12 @@ pub enum Error {
     /// The object could not be loaded (no CAP_BPF, old kernel, verifier rejection).
     #[error("loading the eBPF object failed (needs root or CAP_BPF+CAP_NET_ADMIN and a kernel with sockmap): {0}")]
     Load(#[from] aya::EbpfError),
-    /// The verdict program could not be loaded or attached.
-    #[error("loading or attaching the stream verdict failed: {0}")]
+    /// The verdict program could not be attached, or a program was not of its kind.
+    #[error("attaching the stream verdict failed: {0}")]
     Program(#[from] aya::programs::ProgramError),
+    /// The kernel refused the verdict program (its verifier, or a missing capability).
+    #[error("the kernel refused the stream verdict: {0}")]
+    Verdict(#[source] aya::programs::ProgramError),
     /// A map is missing from the object or could not be used.
     #[error("eBPF map {name}: {reason}")]
     Map {
@@ -330,6 +333,14 @@ fn map_error_chain(e: &aya::maps::MapError) -> String {
     }
 }
 
+impl Error {
+    /// The kernel refused the verdict program itself: the one failure that loading it
+    /// without the repeat check (no `bpf_probe_read_kernel`, no CAP_PERFMON) can cure.
+    fn refused_verdict(&self) -> bool {
+        matches!(self, Error::Verdict(_))
+    }
+}
+
 fn map_error(name: &'static str, reason: impl ToString) -> Error {
     Error::Map {
         name,
@@ -360,7 +371,7 @@ impl Ebpf {
             }
         };
         match (offsets, Ebpf::load_with(config, offsets)) {
-            (Some(_), Err(e)) => {
+            (Some(_), Err(e)) if e.refused_verdict() => {
                 warn!(
                     error = %e,
                     "the verdict with the repeat check was refused (it needs CAP_PERFMON): loading it \
@@ -368,6 +379,8 @@ impl Ebpf {
                 );
                 Ebpf::load_with(config, None)
             }
+            // Anything else (the rewrite program, a map, the links) fails the same without
+            // the check: its own error says what failed.
             (_, r) => r,
         }
     }
@@ -433,7 +446,7 @@ impl Ebpf {
             .program_mut(VERDICT_PROG)
             .ok_or_else(|| map_error("program", "stream verdict missing from the object"))?
             .try_into()?;
-        prog.load()?;
+        prog.load().map_err(Error::Verdict)?;
         prog.attach(peers.fd())?;
         let rewrite = if config.rewrite_splice {
             let map: HashMap<MapData, RewriteKey, Rewrite> = take(&mut loaded, REWRITES_MAP)?

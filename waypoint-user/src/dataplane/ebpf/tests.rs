@@ -697,3 +697,15 @@ async fn the_move_leaves_no_partly_read_segment_behind() {
     assert_eq!(dp.handovers(), 1, "the connection moved into the kernel");
     assert_eq!(stat(&dp, Stat::PassedRepeat), 0);
 }
+
+/// Only the verdict's own refusal is retried without the repeat check: a failure of the
+/// rewrite program (or of anything else) is reported as itself, not as a missing
+/// CAP_PERFMON.
+#[test]
+fn only_a_refused_verdict_is_retried_without_the_repeat_check() {
+    use aya::programs::ProgramError::NotLoaded;
+    assert!(Error::Verdict(NotLoaded).refused_verdict());
+    assert!(!Error::Rewrite(NotLoaded).refused_verdict());
+    assert!(!Error::Program(NotLoaded).refused_verdict());
+    assert!(!Error::Linger(io::ErrorKind::Other.into()).refused_verdict());
+}
