@@ -111,11 +111,12 @@ async fn move_while_both_directions_stream() {
     for attempt in 1..=ATTEMPTS {
         let (handovers, fallbacks, kernel) = (e.handovers(), e.fallbacks(), redirected(e));
         stream_both_ways_intact(&dp).await;
+        // A move that cannot enter the SockHash counts as moved and as fallen back.
         let moved = e.handovers() - handovers;
         let fell_back = e.fallbacks() - fallbacks;
-        assert_eq!(moved + fell_back, 1, "moved or fell back, once");
-        if moved == 1 {
-            assert_eq!(fell_back, 0);
+        assert_eq!(moved, 1, "moved once");
+        assert!(fell_back <= 1, "fell back {fell_back} times");
+        if fell_back == 0 {
             assert!(redirected(e) > kernel, "the kernel path was not used");
             return;
         }
