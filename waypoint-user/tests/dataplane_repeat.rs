@@ -124,29 +124,32 @@ fn uncut_then_stranded() {
             mut proxy,
             mut up,
             mut got,
+            go,
             client,
-        } = start(dp.clone(), limits, &STRANDED, ended).await;
+        } = start(dp.clone(), limits, &REPEATING, Some(TAIL), ended).await;
+        // Every byte of the repeating segments reaches the pod: the dataplane has read
+        // them all, and counted the repeats as read, before the tail arrives.
+        let mut rest = vec![0u8; TOTAL - HELLO];
+        timeout(BOUND, up.read_exact(&mut rest))
+            .await
+            .unwrap()
+            .unwrap();
+        got.extend_from_slice(&rest);
+        go.send(()).unwrap();
         let out = common::next_outcome(&mut proxy, BOUND).await;
         assert_eq!(out.end, End::Stranded);
         end.send(()).unwrap();
         client.join().unwrap();
-        // What reached the pod before the reset came once and in order; the last
-        // segment's bytes did not.
+        // The tail never reached the pod; what did came once and in order.
         let _ = timeout(BOUND, up.read_to_end(&mut got)).await.unwrap();
-        assert!(got.len() < TOTAL + 5, "{} bytes reached the pod", got.len());
+        assert_eq!(got.len(), TOTAL, "the tail reached the pod");
         assert_eq!(common::pattern_mismatch(SEED, 0, &got), None);
     });
     assert_eq!(stat(&dp, Stat::PassedRepeat), REPEATING.len() as u64);
 }
 
-/// [`REPEATING`], then, after a pause that lets userspace read everything, 5 more bytes.
-const STRANDED: [(usize, usize); waypoint_common::SKIPS + 1] = [
-    REPEATING[0],
-    REPEATING[1],
-    REPEATING[2],
-    REPEATING[3],
-    (TOTAL, TOTAL + 5),
-];
+/// 5 bytes the client sends after [`REPEATING`], once the pod has every byte before them.
+const TAIL: (usize, usize) = (TOTAL, TOTAL + 5);
 
 fn run(kind: Kind, dp: Arc<Dataplane>, segments: &'static [(usize, usize)]) {
     in_private_netns(exercise(kind, dp, segments));
@@ -171,16 +174,19 @@ struct Started {
     proxy: common::Proxy,
     up: tokio::net::TcpStream,
     got: Vec<u8>,
+    /// Tells the client to send its tail.
+    go: mpsc::Sender<()>,
     client: std::thread::JoinHandle<()>,
 }
 
 /// A proxy with `dp` in front of a pod, and a raw client through it that sends the hello
-/// and, once the pod has it (the dataplane has the sockets then), `segments`; its FIN
-/// once `fin` says so.
+/// and, once the pod has it (the dataplane has the sockets then), `segments`; then its
+/// `tail`, if any, once told to; its FIN once `fin` says so.
 async fn start(
     dp: Arc<Dataplane>,
     limits: Limits,
     segments: &'static [(usize, usize)],
+    tail: Option<(usize, usize)>,
     fin: mpsc::Receiver<()>,
 ) -> Started {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -190,7 +196,7 @@ async fn start(
         panic!("the proxy listens on IPv4")
     };
     let (go, wait) = mpsc::channel::<()>();
-    let client = std::thread::spawn(move || raw_client(proxy_addr, wait, segments, fin));
+    let client = std::thread::spawn(move || raw_client(proxy_addr, wait, segments, tail, fin));
     let (mut up, _) = timeout(BOUND, listener.accept()).await.unwrap().unwrap();
     let mut got = vec![0u8; HELLO];
     timeout(BOUND, up.read_exact(&mut got))
@@ -202,6 +208,7 @@ async fn start(
         proxy,
         up,
         got,
+        go,
         client,
     }
 }
@@ -215,7 +222,8 @@ async fn exercise(kind: Kind, dp: Arc<Dataplane>, segments: &'static [(usize, us
         mut up,
         mut got,
         client,
-    } = start(dp, Limits::default(), segments, fin).await;
+        ..
+    } = start(dp, Limits::default(), segments, None, fin).await;
     timeout(BOUND, up.read_to_end(&mut got))
         .await
         .unwrap()
@@ -290,14 +298,14 @@ const SYN: u8 = 0x02;
 const PSH: u8 = 0x08;
 const ACK: u8 = 0x10;
 
-/// A TCP client on a raw socket: handshake, the hello, then `segments`, and its FIN once
-/// `fin` says so (or is dropped). It never acknowledges the server's data (the server
-/// sends none) or its FIN. Each segment waits 300 ms after the one before was
-/// acknowledged, time for the dataplane to read what it was passed.
+/// A TCP client on a raw socket: handshake, the hello, then (at `go`) `segments`, then
+/// (at `go` again) `tail` if any, and its FIN once `fin` says so (or is dropped). It never
+/// acknowledges the server's data (the server sends none) or its FIN.
 fn raw_client(
     server: SocketAddrV4,
     go: mpsc::Receiver<()>,
     segments: &[(usize, usize)],
+    tail: Option<(usize, usize)>,
     fin: mpsc::Receiver<()>,
 ) {
     let raw = RawTcp::new();
@@ -306,7 +314,12 @@ fn raw_client(
     let server_isn = raw.recv_syn_ack(server);
     let ack = server_isn.wrapping_add(1);
     let base = isn.wrapping_add(1);
-    let total = segments.iter().map(|&(_, end)| end).max().unwrap_or(HELLO);
+    let total = segments
+        .iter()
+        .chain(&tail)
+        .map(|&(_, end)| end)
+        .max()
+        .unwrap_or(HELLO);
     let data = {
         let mut d = vec![0u8; total];
         common::pattern_fill(SEED, 0, &mut d);
@@ -316,7 +329,7 @@ fn raw_client(
     raw.send(server, base, ack, ACK | PSH, &data[..HELLO]);
     go.recv_timeout(BOUND)
         .expect("the proxy forwards the hello");
-    for &(start, end) in segments {
+    let send = |(start, end): (usize, usize)| {
         raw.send(
             server,
             base.wrapping_add(start as u32),
@@ -327,7 +340,13 @@ fn raw_client(
         // The next segment goes only once this one is acknowledged (queued, and
         // verdicted): the repeat is then of bytes already received, not a race.
         raw.recv_ack(server, base.wrapping_add(end as u32));
-        std::thread::sleep(Duration::from_millis(300));
+    };
+    for &segment in segments {
+        send(segment);
+    }
+    if let Some(tail) = tail {
+        go.recv_timeout(BOUND).expect("told to send the tail");
+        send(tail);
     }
     let _ = fin.recv_timeout(BOUND);
     raw.send(server, base.wrapping_add(total as u32), ack, ACK | FIN, &[]);

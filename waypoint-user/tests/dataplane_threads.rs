@@ -33,6 +33,13 @@ fn dropping_the_dataplane_joins_its_threads() {
             ..ebpf::Config::default()
         })
         .expect("the eBPF dataplane with the rewrite program must load (root, TCX kernel)");
+        // A thread names itself once it runs: wait for all four.
+        let named = std::time::Instant::now();
+        while dataplane_threads().len() < THREADS.len()
+            && named.elapsed() < std::time::Duration::from_secs(5)
+        {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
         let mut running = dataplane_threads();
         running.sort();
         assert_eq!(
@@ -46,7 +53,14 @@ fn dropping_the_dataplane_joins_its_threads() {
             "the dataplane's threads"
         );
         drop(dp);
-        // No wait: the drop returned once they had ended.
+        // The drop returned once they had ended; the kernel may list an ended thread
+        // for a moment longer, far less than the 100 ms an unjoined one can run on.
+        let dropped = std::time::Instant::now();
+        while !dataplane_threads().is_empty()
+            && dropped.elapsed() < std::time::Duration::from_millis(20)
+        {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
         assert_eq!(dataplane_threads(), Vec::<String>::new(), "threads left");
     }
 }
