@@ -86,6 +86,8 @@ struct Failure {
     client_port: Option<u16>,
     /// The waypoint's log lines for this connection, read after the run.
     trail: Option<String>,
+    /// What the pod's side of the same connection failed with, if it did.
+    pod_error: Option<String>,
 }
 
 /// Counts per (mode, scenario).
@@ -280,18 +282,16 @@ async fn soak_one(
     let mut failures = std::mem::take(&mut *failures.lock().unwrap_or_else(|p| p.into_inner()));
     failures.sort_by_key(|f| f.id);
     // Pod-side failures of connections whose client failed are that failure, seen from
-    // the other end; the rest count on their own.
-    let pod_failures = pod
-        .state
-        .failures
-        .lock()
-        .map(|f| {
-            f.iter()
-                .filter(|pf| pf.id.is_none_or(|id| failures.iter().all(|c| c.id != id)))
-                .cloned()
-                .collect()
-        })
-        .unwrap_or_default();
+    // the other end (shown with it); the rest count on their own.
+    let mut pod_failures = Vec::new();
+    if let Ok(f) = pod.state.failures.lock() {
+        for pf in f.iter() {
+            match failures.iter_mut().find(|c| pf.id == Some(c.id)) {
+                Some(c) => c.pod_error = Some(pf.error.clone()),
+                None => pod_failures.push(pf.clone()),
+            }
+        }
+    }
     let counters = match admin {
         Some(a) => tokio::task::spawn_blocking(move || counters(a))
             .await
@@ -382,6 +382,7 @@ impl Lane {
                     report,
                     client_port,
                     trail: None,
+                    pod_error: None,
                 });
             }
         }
@@ -596,6 +597,9 @@ fn describe(o: &Outcome) -> String {
             f.sent,
             f.received
         );
+        if let Some(e) = &f.pod_error {
+            let _ = write!(out, "\n  the pod's side of it failed: {e}");
+        }
         if let Some(r) = &f.report {
             let _ = write!(out, "\n{}", r.trim_end());
         }
