@@ -17,7 +17,9 @@
 //!    only then shuts the peer's write side. A reset is passed on as an abort.
 //!
 //! "The peer's TCP holds N bytes" is measured as `tcpi_bytes_acked + SIOCOUTQ`, read in
-//! that order so that the sum never overstates what TCP holds.
+//! that order so that the sum never overstates what TCP holds. The baseline it is
+//! counted from is read until no ack moved between the two reads: an understated
+//! baseline would let a FIN overtake the last redirected bytes.
 
 use std::{
     future::Future,

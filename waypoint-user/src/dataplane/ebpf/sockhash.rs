@@ -395,8 +395,10 @@ impl Ebpf {
         // the hello (or a pod that already closed) is served by the userspace copy
         // instead: same semantics, slower. The same goes when the insertion fails anyway
         // (a FIN racing this check, full maps, no free flow slot).
-        let down_tcp = handed(downstream)?;
-        let up_tcp = handed(upstream)?;
+        // The baselines must be exact (see `handed_exact`); a connection whose acks kept
+        // moving through every read is copied instead.
+        let (down_tcp, down_exact) = handed_exact(downstream)?;
+        let (up_tcp, up_exact) = handed_exact(upstream)?;
         let mut reg = Registration::new(self, down, up);
         // A segment that userspace has partly read (the router stops reading mid-segment
         // after the ClientHello) would go through the verdict from its start, and its
@@ -432,12 +434,16 @@ impl Ebpf {
                 reg.set_credit(i, self.config.max_inflight);
             }
         }
-        let attached =
-            if drained && down_tcp.state == TCP_ESTABLISHED && up_tcp.state == TCP_ESTABLISHED {
-                reg.attach((down, downstream), (up, upstream), down_first)
-            } else {
-                None
-            };
+        let attached = if drained
+            && down_exact
+            && up_exact
+            && down_tcp.state == TCP_ESTABLISHED
+            && up_tcp.state == TCP_ESTABLISHED
+        {
+            reg.attach((down, downstream), (up, upstream), down_first)
+        } else {
+            None
+        };
         #[cfg(any(test, feature = "test-hooks"))]
         let kick = !self.config.hooks.sockhash_entry_no_kick;
         #[cfg(not(any(test, feature = "test-hooks")))]
@@ -645,9 +651,10 @@ pub(super) fn delivered(dst: &impl AsFd, base: u64, counted: u64, graceful: bool
         // ENOTCONN after a reset: nothing left to fence.
         let _ = shutdown_write(dst);
     }
-    match handed_settled(dst) {
-        // Once our FIN is queued it counts one sequence number in `handed`.
-        Ok(h) => {
+    match handed_exact(dst) {
+        // Once our FIN is queued it counts one sequence number in `handed`. A figure that
+        // acks kept moving understates at worst, as `handed` does.
+        Ok((h, _)) => {
             let fin = u64::from(fin_sent(h.state));
             counted.min(h.bytes.saturating_sub(base).saturating_sub(fin))
         }
@@ -657,18 +664,30 @@ pub(super) fn delivered(dst: &impl AsFd, base: u64, counted: u64, graceful: bool
 }
 
 /// [`handed`], read until no ack moved bytes between its two syscalls, so that the
-/// figure is exact rather than a lower bound (a few tries; acks stop once dst is idle).
-pub(super) fn handed_settled(dst: &impl AsFd) -> io::Result<Handed> {
-    let mut h = handed(dst)?;
-    for _ in 0..8 {
-        let acked = tcp_info(dst)?.tcpi_bytes_acked;
+/// figure is exact rather than a lower bound; with whether it is (acks can keep moving
+/// for all of [`EXACT_TRIES`], though they stop within microseconds of a quiet socket).
+///
+/// A figure the SockHash counts *from* must be exact. [`handed`] understates when an ack
+/// lands between its syscalls, and an understated baseline overstates every later
+/// `handed - base`: [`Direction`]'s wait for the destination's TCP to hold every
+/// redirected byte then ends while the last of them still wait in the kernel's backlog,
+/// the FIN goes out ahead of them, and the kernel drops them when it finds the socket
+/// shut (EPIPE). The soak saw it about once in 40,000 ping-pongs: the last bytes of the
+/// copy before the move were acked mid-read, and the client's TLS close_notify was lost.
+pub(super) fn handed_exact(sock: &impl AsFd) -> io::Result<(Handed, bool)> {
+    let mut h = handed(sock)?;
+    for _ in 0..EXACT_TRIES {
+        let acked = tcp_info(sock)?.tcpi_bytes_acked;
         if acked == h.acked {
-            break;
+            return Ok((h, true));
         }
-        h = handed(dst)?;
+        h = handed(sock)?;
     }
-    Ok(h)
+    Ok((h, false))
 }
+
+/// Reads of [`handed`] that [`handed_exact`] tries.
+const EXACT_TRIES: usize = 16;
 
 /// Most bytes read from one socket before it enters the SockHash. A client streaming
 /// right behind its hello would otherwise keep the read going for the whole transfer.

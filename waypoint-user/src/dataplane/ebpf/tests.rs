@@ -709,3 +709,70 @@ fn only_a_refused_verdict_is_retried_without_the_repeat_check() {
     assert!(!Error::Program(NotLoaded).refused_verdict());
     assert!(!Error::Linger(io::ErrorKind::Other.into()).refused_verdict());
 }
+
+/// A baseline read while acks arrive is exact, or says it is not: the bytes a socket's
+/// TCP took are read again and again while a slow reader's window updates ack the
+/// sender's queue, and every figure called exact must be what was written. (A single
+/// `handed` read understates whenever an ack lands between its two system calls; the
+/// test prints how often that happened.)
+#[test]
+fn an_exact_baseline_is_exact_while_acks_arrive() {
+    use std::io::{Read as _, Write as _};
+    const SENT: usize = 32 << 20;
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut tx = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (mut rx, _) = l.accept().unwrap();
+    // SO_SNDBUFFORCE (root): room for all of it, past `wmem_max`.
+    crate::sys::setsockopt_int(&tx, libc::SOL_SOCKET, libc::SO_SNDBUFFORCE, 2 * SENT as i32)
+        .unwrap();
+    socket2::SockRef::from(&rx)
+        .set_recv_buffer_size(64 << 10)
+        .unwrap();
+    let (base, exact) = handed_exact(&tx).unwrap();
+    assert!(exact, "an idle socket's figure did not settle");
+    tx.set_nonblocking(true).unwrap();
+    let mut left = SENT;
+    let chunk = vec![7u8; 64 << 10];
+    while left > 0 {
+        match tx.write(&chunk[..left.min(chunk.len())]) {
+            Ok(n) => left -= n,
+            Err(e) => panic!("the send buffer should hold it all: {e}"),
+        }
+    }
+    // A paced reader behind a small window: each read opens the window, and the
+    // sender's TCP sends more and takes the reader's acks (some 350 in 0.3 s here).
+    let reader = std::thread::spawn(move || {
+        let mut buf = vec![0u8; 16 << 10];
+        let mut got = 0;
+        while got < SENT {
+            let n = rx.read(&mut buf).unwrap();
+            assert!(n > 0, "EOF after {got} bytes");
+            got += n;
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    });
+    let (mut exact_reads, mut inexact, mut understated) = (0u32, 0u32, 0u32);
+    let (mut acks, mut last_acked) = (0u32, 0u64);
+    while !reader.is_finished() {
+        let (h, exact) = handed_exact(&tx).unwrap();
+        if h.acked != last_acked {
+            acks += 1;
+            last_acked = h.acked;
+        }
+        if exact {
+            assert_eq!(h.bytes - base.bytes, SENT as u64, "an exact figure was not");
+            exact_reads += 1;
+        } else {
+            inexact += 1;
+        }
+        if handed(&tx).unwrap().bytes - base.bytes < SENT as u64 {
+            understated += 1;
+        }
+    }
+    reader.join().unwrap();
+    eprintln!(
+        "{exact_reads} exact reads, {inexact} not settled, {acks} acks seen; single reads \
+         understated {understated} times"
+    );
+    assert!(exact_reads > 100, "too few reads while acks arrived");
+}
