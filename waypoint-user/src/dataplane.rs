@@ -15,6 +15,7 @@
 mod background;
 mod bpf_cmd;
 mod btf;
+pub mod clsact;
 pub mod copy;
 pub mod ebpf;
 mod established;

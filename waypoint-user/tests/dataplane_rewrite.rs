@@ -1013,6 +1013,108 @@ fn pods_on_interfaces_added_after_start_are_spliced() {
     });
 }
 
+/// On a kernel without TCX the rewrite program is a netlink filter on each interface's
+/// clsact qdisc (forced here with a test hook; 6.1 and older attach this way). A stock
+/// node has no such qdisc: the daemon adds one, splices through it, and on exit removes
+/// the qdiscs it added, unless another program's filter uses one by then; a qdisc it
+/// found it leaves. In a network namespace of its own, with `lo` its only interface.
+#[test]
+fn without_tcx_the_program_sits_on_clsact_qdiscs_the_daemon_adds() {
+    common::require_root();
+    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).expect("unshare(CLONE_NEWNET)");
+    ip(&["link", "set", "lo", "up"]);
+    let load_netlink = || {
+        let e = Arc::new(
+            ebpf::Ebpf::load(ebpf::Config {
+                splice_after: 0,
+                rewrite_splice: true,
+                hooks: ebpf::Hooks {
+                    tc_netlink: true,
+                    ..ebpf::Hooks::default()
+                },
+                ..ebpf::Config::default()
+            })
+            .expect("the rewrite program attaches through netlink"),
+        );
+        (Arc::new(Dataplane::Ebpf(e.clone())), e)
+    };
+    let clsact_on_lo = || {
+        let out = std::process::Command::new("tc")
+            .args(["qdisc", "show", "dev", "lo"])
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        String::from_utf8_lossy(&out.stdout).contains("clsact")
+    };
+    let ingress_filters_on_lo = || {
+        let out = std::process::Command::new("tc")
+            .args(["filter", "show", "dev", "lo", "ingress"])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            // A filter's line with its handle (tc shows its chain on a line before).
+            .filter(|l| l.contains(" bpf ") && l.contains(" handle "))
+            .count()
+    };
+    assert!(!clsact_on_lo(), "a new namespace has no clsact qdisc");
+    // A runtime per connection: dropped, it drops the proxy's task, and with it the
+    // task's handle on the dataplane.
+
+    // Added, and spliced through.
+    let (dp, a) = load_netlink();
+    assert_eq!(a.rewrite_links().unwrap().attached, 1);
+    assert!(clsact_on_lo(), "the daemon added the qdisc");
+    assert_eq!(ingress_filters_on_lo(), 1);
+    runtime().block_on(spliced_echo(dp, &a));
+
+    // A second daemon finds the qdisc and puts its filter beside the first's; the first
+    // leaves the qdisc it added, which the second still uses and splices through.
+    let (dp, b) = load_netlink();
+    assert_eq!(ingress_filters_on_lo(), 2);
+    drop(a);
+    assert!(clsact_on_lo(), "left: another daemon's filter uses it");
+    assert_eq!(ingress_filters_on_lo(), 1, "the first daemon's filter went");
+    runtime().block_on(spliced_echo(dp, &b));
+    // ... and the second leaves the qdisc it found.
+    drop(b);
+    assert!(clsact_on_lo(), "left: it was there before the daemon");
+    assert_eq!(ingress_filters_on_lo(), 0);
+
+    // Without anyone else's filter, the qdisc a daemon added goes with it.
+    let st = std::process::Command::new("tc")
+        .args(["qdisc", "del", "dev", "lo", "clsact"])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let (_dp, c) = load_netlink();
+    assert!(clsact_on_lo());
+    drop(_dp);
+    drop(c);
+    assert!(!clsact_on_lo(), "the daemon removed the qdisc it added");
+}
+
+/// One connection over `lo`, spliced by rewriting: 200 echoes and a close.
+async fn spliced_echo(dp: Arc<Dataplane>, e: &ebpf::Ebpf) {
+    let spliced = e.rewrite_counts().unwrap().0.spliced;
+    let back = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut proxy = proxy_marked(true, dp, back.local_addr().unwrap()).await;
+    let addr = proxy.addr;
+    let cl = async {
+        let mut c = client(addr).await;
+        echo_rounds(&mut c, 200, &[1, 1_400, 65_000]).await
+    };
+    let ((), total) = tokio::join!(echo_pod(&back), cl);
+    let outcome = common::next_outcome(&mut proxy, Duration::from_secs(30)).await;
+    assert_eq!(outcome.end, End::Closed);
+    assert_eq!(outcome.upstream_to_downstream, total + 1);
+    assert_eq!(
+        e.rewrite_counts().unwrap().0.spliced,
+        spliced + 1,
+        "spliced by rewriting"
+    );
+}
+
 /// A lossy path both ways (3 % of the packets reaching the client and the pod dropped,
 /// by nft): 32 MiB echoed intact, and the ends recovered on rewritten numbers: each
 /// sender recovered with SACK blocks and discarded none as outside its window (untranslated

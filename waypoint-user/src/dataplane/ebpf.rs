@@ -144,6 +144,9 @@ pub struct Hooks {
     /// The longest repeat the verdict cuts (the object's own limit when None): 0 hands
     /// every repeat to userspace, as a kernel short of memory for the cut would.
     pub trim_limit: Option<u32>,
+    /// The rewrite program is attached through netlink, on clsact qdiscs, as on a kernel
+    /// without TCX.
+    pub tc_netlink: bool,
 }
 
 impl Default for Config {
@@ -500,7 +503,11 @@ impl Ebpf {
         // Every interface, also the ones that appear later: the client's packets arrive
         // on the uplink, the pod's on its veth or the bridge (see `links.rs`).
         let links = match rewrite {
-            Some(_) => Some(links::Links::start(&loaded, REWRITE_PROG)?),
+            Some(_) => Some(links::Links::start(
+                &loaded,
+                REWRITE_PROG,
+                attach_how(&config),
+            )?),
             None => None,
         };
         let (rewrite, ends) = match rewrite {
@@ -707,6 +714,17 @@ impl Drop for Ebpf {
             rewriter.stop();
         }
     }
+}
+
+/// How the rewrite program is attached: what the kernel offers, unless a test asks for
+/// the netlink attachment of kernels without TCX.
+fn attach_how(config: &Config) -> links::Attach {
+    #[cfg(any(test, feature = "test-hooks"))]
+    if config.hooks.tc_netlink {
+        return links::Attach::Netlink;
+    }
+    let _ = config;
+    links::Attach::native()
 }
 
 /// Kernels before 5.11 charge BPF maps to RLIMIT_MEMLOCK; later ones to the memory cgroup.

@@ -10,6 +10,10 @@
 //! nothing depends on reading every message. An interface that went (deleted, or moved
 //! into a pod's namespace) has lost its attachment in the kernel; its link is dropped
 //! here, so that a node with pod churn does not collect them.
+//!
+//! Where the kernel has no TCX (before 6.6) the program is a netlink filter on the
+//! interface's clsact qdisc, which the daemon adds where none is and removes on exit
+//! (see `clsact.rs`).
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -21,12 +25,19 @@ use std::{
     time::Duration,
 };
 
-use aya::programs::{tc::SchedClassifierLinkId, SchedClassifier, TcAttachType};
+use aya::{
+    programs::{
+        tc::{NlOptions, SchedClassifierLinkId, TcAttachOptions},
+        ProgramError, SchedClassifier, TcAttachType,
+    },
+    util::KernelVersion,
+};
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::socket::{self, AddressFamily, NetlinkAddr, SockFlag, SockProtocol, SockType};
 use tracing::{debug, info, warn};
 
 use super::background::{Background, JOIN_WITHIN};
+use super::clsact;
 
 /// How long the thread waits for a link change before it compares anyway (and looks
 /// whether the dataplane is still there).
@@ -47,7 +58,7 @@ pub enum Error {
         /// The interface.
         interface: String,
         /// The cause.
-        source: aya::programs::ProgramError,
+        source: AttachError,
     },
     /// The program is missing from the object.
     #[error("the rewrite program is missing from the object")]
@@ -55,6 +66,40 @@ pub enum Error {
     /// The watching thread could not be started.
     #[error("starting the link watcher: {0}")]
     Thread(#[source] std::io::Error),
+}
+
+/// Why the program could not be attached to an interface.
+#[derive(Debug, thiserror::Error)]
+pub enum AttachError {
+    /// The interface's clsact qdisc could not be added (a netlink attachment needs it).
+    #[error("adding the clsact qdisc: {0}")]
+    Qdisc(#[source] clsact::Error),
+    /// The kernel refused the program.
+    #[error(transparent)]
+    Program(#[from] ProgramError),
+}
+
+/// How the program is attached to an interface.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Attach {
+    /// A TCX link (Linux 6.6 and later): programs of several owners chain without a
+    /// qdisc.
+    Tcx,
+    /// A netlink filter on the interface's clsact qdisc, which the daemon adds where
+    /// none is: what kernels without TCX have.
+    Netlink,
+}
+
+impl Attach {
+    /// What the running kernel offers (aya's own choice: TCX from 6.6).
+    pub fn native() -> Attach {
+        let tcx = KernelVersion::new(6, 6, 0);
+        if KernelVersion::current().is_ok_and(|v| v >= tcx) {
+            Attach::Tcx
+        } else {
+            Attach::Netlink
+        }
+    }
 }
 
 /// What [`Links`] reports.
@@ -92,18 +137,26 @@ struct Shared {
 
 /// The thread's own state.
 struct Attached {
+    how: Attach,
     /// Interface index → its name when attached, and the link.
     links: BTreeMap<u32, (String, SchedClassifierLinkId)>,
     /// (index, name) pairs whose attachment failed: not tried again (a renamed interface
     /// is a new pair, and is).
     failed: BTreeSet<(u32, String)>,
+    /// Interfaces whose clsact qdisc the daemon added (removed on exit).
+    qdiscs: BTreeSet<u32>,
 }
 
 impl Links {
-    /// Attaches `program` (by name in `object`) to every interface now present (failing
-    /// if any refuses), and starts the thread that follows the changes. The thread holds
-    /// the object only while it attaches: dropping the last other owner unloads it.
-    pub fn start<O>(object: &Arc<Mutex<O>>, program: &'static str) -> Result<Links, Error>
+    /// Attaches `program` (by name in `object`) to every interface now present, `how`
+    /// says how (failing if any refuses), and starts the thread that follows the
+    /// changes. The thread holds the object only while it attaches: dropping the last
+    /// other owner unloads it.
+    pub fn start<O>(
+        object: &Arc<Mutex<O>>,
+        program: &'static str,
+        how: Attach,
+    ) -> Result<Links, Error>
     where
         O: ProgramOwner + Send + 'static,
     {
@@ -113,23 +166,27 @@ impl Links {
             failed: AtomicU64::new(0),
         });
         let mut watch = Attached {
+            how,
             links: BTreeMap::new(),
             failed: BTreeSet::new(),
+            qdiscs: BTreeSet::new(),
         };
         {
             let mut o = object.lock().unwrap_or_else(|p| p.into_inner());
             let prog = o.classifier(program).ok_or(Error::Missing)?;
             for (index, name) in interfaces()? {
-                let id = prog
-                    .attach(&name, TcAttachType::Ingress)
-                    .map_err(|source| Error::Attach {
-                        interface: name.clone(),
+                if let Err(source) = watch.attach(prog, index, &name) {
+                    watch.release(Some(prog));
+                    return Err(Error::Attach {
+                        interface: name,
                         source,
-                    })?;
-                watch.links.insert(index, (name, id));
+                    });
+                }
             }
             info!(
                 interfaces = ?watch.links.values().map(|(n, _)| n.as_str()).collect::<Vec<_>>(),
+                ?how,
+                qdiscs_added = watch.qdiscs.len(),
                 "rewrite program attached"
             );
         }
@@ -140,6 +197,11 @@ impl Links {
             nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(Error::Netlink)?;
         let thread = Background::spawn("waypoint-links", move || {
             run(&sock, &stop_rd, &weak, program, &mut watch, &thread_shared);
+            let object = weak.upgrade();
+            let mut o = object
+                .as_ref()
+                .map(|o| o.lock().unwrap_or_else(|p| p.into_inner()));
+            watch.release(o.as_mut().and_then(|o| o.classifier(program)));
         })
         .map_err(Error::Thread)?;
         Ok(Links {
@@ -261,16 +323,17 @@ impl Attached {
                 drop(prog.take_link(id));
                 debug!(interface = %name, index, "interface gone");
             }
+            // Its qdisc went with it.
+            self.qdiscs.remove(&index);
         }
         self.failed.retain(|(i, _)| present.contains(i));
         for (index, name) in current {
             if self.links.contains_key(index) || self.failed.contains(&(*index, name.clone())) {
                 continue;
             }
-            match prog.attach(name, TcAttachType::Ingress) {
-                Ok(id) => {
+            match self.attach(prog, *index, name) {
+                Ok(()) => {
                     info!(interface = %name, index, "rewrite program attached to a new interface");
-                    self.links.insert(*index, (name.clone(), id));
                 }
                 Err(e) => {
                     // Gone again before the attach (a CNI's temporary name), or refused.
@@ -283,5 +346,57 @@ impl Attached {
             }
         }
         shared.attached.store(self.links.len() as u64, Relaxed);
+    }
+
+    /// Attaches the program to one interface, adding its clsact qdisc first where the
+    /// attachment needs one and it has none.
+    fn attach(
+        &mut self,
+        prog: &mut SchedClassifier,
+        index: u32,
+        name: &str,
+    ) -> Result<(), AttachError> {
+        let attached = match self.how {
+            Attach::Tcx => prog.attach(name, TcAttachType::Ingress),
+            Attach::Netlink => {
+                if clsact::add(index).map_err(AttachError::Qdisc)? {
+                    self.qdiscs.insert(index);
+                }
+                prog.attach_with_options(
+                    name,
+                    TcAttachType::Ingress,
+                    TcAttachOptions::Netlink(NlOptions::default()),
+                )
+            }
+        };
+        let id = attached?;
+        self.links.insert(index, (name.to_owned(), id));
+        Ok(())
+    }
+
+    /// Detaches the program from the interfaces whose clsact qdisc the daemon added
+    /// (all of them go with the program anyway, when `prog` is None), then removes each
+    /// such qdisc that no other filter uses.
+    fn release(&mut self, mut prog: Option<&mut SchedClassifier>) {
+        for index in std::mem::take(&mut self.qdiscs) {
+            if let (Some(p), Some((_, id))) = (prog.as_deref_mut(), self.links.remove(&index)) {
+                // Dropping an owned link detaches it.
+                drop(p.take_link(id));
+            }
+            match clsact::filters(index) {
+                Ok(0) => match clsact::remove(index) {
+                    Ok(()) => debug!(index, "clsact qdisc removed"),
+                    Err(e) => {
+                        warn!(index, error = %e, "the clsact qdisc the daemon added could not be removed")
+                    }
+                },
+                Ok(others) => info!(
+                    index,
+                    others, "the clsact qdisc the daemon added is left: other filters use it"
+                ),
+                Err(e) => warn!(index, error = %e,
+                    "the clsact qdisc the daemon added is left: its filters could not be listed"),
+            }
+        }
     }
 }
