@@ -8,6 +8,7 @@ use std::{
 use anyhow::{bail, Context as _};
 use clap::{Parser, Subcommand};
 
+mod kernels;
 mod kind;
 
 #[derive(Debug, Parser)]
@@ -72,6 +73,12 @@ enum Task {
         #[arg(long)]
         keep: bool,
     },
+    /// The dataplane and router test binaries and a short soak on Debian's kernels 5.10,
+    /// 6.1 and 6.12 (root; not part of `test`): each pinned package fetched through a
+    /// private apt configuration, booted under QEMU with the host's root shared over
+    /// 9p. Prints a table of kernel × test binary (passed/run) and writes it, with each
+    /// binary's log, to <target>/kernels/. Fails when any kernel fails.
+    Kernels(kernels::Args),
     /// Fuzz the ClientHello/SNI parser for a while (cargo-fuzz, nightly).
     Fuzz {
         /// How long, in seconds.
@@ -168,6 +175,7 @@ fn main() -> anyhow::Result<()> {
         Task::Fuzz { seconds } => fuzz(&root, seconds),
         Task::Demo { keep, dataplane } => demo(&root, keep, &dataplane),
         Task::Soak { args } => soak(&root, &args),
+        Task::Kernels(args) => kernels::kernels(&root, &args),
         Task::E2eKind { keep } => {
             // Printed and exited here rather than returned: an anyhow error would capture
             // and symbolize a backtrace under RUST_BACKTRACE=1, which takes seconds.
