@@ -291,6 +291,10 @@ fn check_node_ip(config: &Config) -> anyhow::Result<()> {
 }
 
 pub async fn run(config: Config) -> anyhow::Result<()> {
+    match crate::sys::raise_nofile_limit() {
+        Ok(n) => info!(open_files = n, "open file limit"),
+        Err(e) => warn!(error = %e, "the open file limit could not be raised"),
+    }
     let app = App::start(config).await?;
     wait_for_signal().await?;
     app.shutdown().await;

@@ -11,7 +11,9 @@
 mod process;
 mod socket;
 
-pub(crate) use process::{membarrier_global, monotonic_ms, raise_memlock_limit};
+pub(crate) use process::{
+    membarrier_global, monotonic_ms, raise_memlock_limit, raise_nofile_limit,
+};
 pub(crate) use socket::{
     cookie, getsockopt_u32, ioctl_int, peek, queued, recv_spare, set_rcvlowat, setsockopt_int,
     tcp_info, unsent_or_unacked,

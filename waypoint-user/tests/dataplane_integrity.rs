@@ -174,10 +174,20 @@ async fn eager_sender_falls_back_intact_ebpf() {
         .await
         .unwrap();
     let (mut downstream, _) = front.accept().await.unwrap();
-    // Room for more than the dataplane's 1 MiB drain while nobody reads.
-    socket2::SockRef::from(&downstream)
-        .set_recv_buffer_size(4 << 20)
-        .unwrap();
+    // Room for more than the dataplane's 1 MiB drain while nobody reads. FORCE (root):
+    // SO_RCVBUF stops at `net.core.rmem_max`, 208 KiB on a stock kernel.
+    let size: libc::c_int = 2 << 20; // doubled by the kernel
+                                     // SAFETY: setsockopt reads one int, which lives for the call.
+    let rc = unsafe {
+        libc::setsockopt(
+            std::os::fd::AsRawFd::as_raw_fd(&downstream),
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUFFORCE,
+            (&raw const size).cast(),
+            size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(rc, 0, "SO_RCVBUFFORCE: {}", std::io::Error::last_os_error());
     let writer = tokio::spawn(async move {
         client.write_all(&[7u8; HELLO]).await.unwrap();
         let mut buf = vec![0u8; 256 * 1024];

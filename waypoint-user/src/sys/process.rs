@@ -18,6 +18,19 @@ pub(crate) fn raise_memlock_limit() -> io::Result<()> {
     Ok(())
 }
 
+/// Raises RLIMIT_NOFILE's soft limit to the hard one, for a process that holds two
+/// sockets per connection: services start at a soft limit of 1,024 open files, under a
+/// hard limit that says what the operator allows (not raised: that is theirs to set).
+/// Returns the soft limit now.
+pub(crate) fn raise_nofile_limit() -> io::Result<u64> {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
+    if soft < hard {
+        setrlimit(Resource::RLIMIT_NOFILE, hard, hard)?;
+    }
+    Ok(hard)
+}
+
 /// CLOCK_MONOTONIC in milliseconds, truncated to 32 bits (the clock TCP timestamps
 /// count in).
 pub(crate) fn monotonic_ms() -> io::Result<u32> {
