@@ -75,24 +75,6 @@ pub fn filters(index: u32) -> Result<usize, Error> {
     Ok(n)
 }
 
-/// Whether interface `index` has a clsact qdisc.
-pub fn present(index: u32) -> Result<bool, Error> {
-    let all = request(
-        RouteNetlinkMessage::GetQueueDiscipline(TcMessage::default()),
-        NLM_F_DUMP,
-    )?;
-    Ok(all.iter().any(|m| match m {
-        RouteNetlinkMessage::NewQueueDiscipline(q) => {
-            q.header.index == index as i32
-                && q.header.parent == TcHandle::CLSACT
-                && q.attributes
-                    .iter()
-                    .any(|a| matches!(a, TcAttribute::Kind(k) if k == "clsact"))
-        }
-        _ => false,
-    }))
-}
-
 /// The clsact qdisc of interface `index`, as a request names it.
 fn qdisc(index: u32) -> TcMessage {
     let mut msg = TcMessage::with_index(index as i32);
