@@ -125,3 +125,33 @@ fn request(msg: RouteNetlinkMessage, flags: u16) -> Result<Vec<RouteNetlinkMessa
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+    use super::*;
+
+    /// An interface that is not there (gone between the listing and the attachment): adding
+    /// or removing its qdisc is the kernel's refusal, named, never a panic; listing its
+    /// filters finds none.
+    #[test]
+    fn a_missing_interface_is_refused_by_name() {
+        let missing = u32::MAX - 7;
+        for (what, result) in [("add", add(missing).map(drop)), ("remove", remove(missing))] {
+            match result {
+                Err(Error::Refused(e)) => {
+                    assert!(
+                        matches!(e.raw_os_error(), Some(libc::ENODEV | libc::EINVAL)),
+                        "{what}: {e}"
+                    );
+                }
+                other => panic!("{what}: not a refusal: {other:?}"),
+            }
+        }
+        // A dump names no filter there, rather than failing.
+        match filters(missing) {
+            Ok(0) | Err(Error::Refused(_)) => {}
+            other => panic!("filters: {other:?}"),
+        }
+    }
+}
