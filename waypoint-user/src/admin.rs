@@ -34,6 +34,8 @@ pub struct Api {
     pub viewer: horizon::Viewer,
     /// The etcd registry's health, when the registry is etcd.
     pub registry: Option<registry::metrics::Metrics>,
+    /// The dataplane chosen and why, one line (see `dataplane::choice`).
+    pub dataplane: String,
 }
 
 /// Readiness: set once the daemon can serve, cleared when it starts draining.
@@ -142,10 +144,12 @@ fn respond(
     // Readiness stays true while etcd is away (the last known state is served on
     // purpose); the body says so, for humans and alerts.
     let detail = || {
-        api.registry
+        let registry = api
+            .registry
             .as_ref()
             .map(|r| format!("{}\n", r.detail()))
-            .unwrap_or_default()
+            .unwrap_or_default();
+        format!("{registry}{}\n", api.dataplane)
     };
     let (status, body) = match path {
         "/metrics" => {

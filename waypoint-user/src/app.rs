@@ -10,7 +10,7 @@ use tracing::{info, warn};
 use crate::{
     admin::{Admin, Api, Readiness},
     config::Config,
-    dataplane::{copy::UserspaceCopy, ebpf::Ebpf, splice::Splice, Dataplane, Kind},
+    dataplane::choice,
     kubernetes,
     metrics::Metrics,
     registry::{self, etcd},
@@ -19,34 +19,6 @@ use crate::{
     store::{Snapshot, Store},
     workers::{self, Workers},
 };
-
-/// Builds the dataplane the config asks for. `auto` falls back to splice, with the reason
-/// logged, when the eBPF programs cannot be loaded or attached.
-pub fn choose_dataplane(config: &Config) -> anyhow::Result<Dataplane> {
-    let splice = || Splice::new(usize::try_from(config.pipe_size).unwrap_or(usize::MAX));
-    let dp = match config.dataplane {
-        Kind::Ebpf => Dataplane::Ebpf(Arc::new(
-            Ebpf::load(config.ebpf()).context("--dataplane=ebpf was asked for")?,
-        )),
-        Kind::Splice => Dataplane::Splice(splice()),
-        Kind::Copy => Dataplane::Copy(UserspaceCopy),
-        Kind::Auto => match Ebpf::load(config.ebpf()) {
-            Ok(e) => Dataplane::Ebpf(Arc::new(e)),
-            Err(e) => {
-                warn!(error = %e, "eBPF dataplane unavailable; falling back to splice");
-                Dataplane::Splice(splice())
-            }
-        },
-    };
-    info!(
-        dataplane = dp.kind().as_str(),
-        requested = config.dataplane.as_str(),
-        "dataplane chosen"
-    );
-    // No process parker: connections run on the tunnel workers' single-threaded
-    // runtimes, and each starts its own parker at its first idle connection.
-    Ok(dp)
-}
 
 /// A running daemon: what tests and `run` hold on to.
 pub struct App {
@@ -76,8 +48,15 @@ impl App {
         info!(?config, "starting");
         sni::validate_mesh_domain(&config.mesh_domain)
             .map_err(|e| anyhow::anyhow!("--mesh-domain {:?}: {e}", config.mesh_domain))?;
-        let dataplane = Arc::new(choose_dataplane(&config)?);
-        let mut metrics = Metrics::new(dataplane.clone());
+        let (dataplane, chosen) = choice::choose(
+            config.dataplane,
+            config.ebpf(),
+            usize::try_from(config.pipe_size).unwrap_or(usize::MAX),
+        )?;
+        // No process parker: connections run on the tunnel workers' single-threaded
+        // runtimes, and each starts its own parker at its first idle connection.
+        let dataplane = Arc::new(dataplane);
+        let mut metrics = Metrics::new(dataplane.clone(), &chosen);
         let router_metrics = router::Metrics::new(metrics.registry_mut());
         let registry_metrics = registry::metrics::Metrics::new(metrics.registry_mut());
         let kubernetes_metrics = if config.kubernetes {
@@ -188,6 +167,7 @@ impl App {
             store: store.clone(),
             viewer: config.viewer(),
             registry: etcd_health,
+            dataplane: chosen.to_string(),
         });
         tokio::spawn(admin.serve(metrics, ready.clone(), api, kill.clone()));
 

@@ -256,7 +256,10 @@ pub struct Config {
     /// Which dataplane moves the bytes of routed connections: `ebpf` (in-kernel
     /// SockHash redirect; needs CAP_BPF and CAP_NET_ADMIN, and CAP_PERFMON for its check
     /// of repeated bytes), `splice` (splice(2) through
-    /// pipes), `copy` (userspace copy), or `auto` (ebpf if it loads, else splice).
+    /// pipes), `copy` (userspace copy), or `auto`. A dataplane named runs or fails the
+    /// start; `auto` probes the kernel by loading the programs: ebpf as configured, else
+    /// ebpf without --rewrite-splice, else splice. The choice and the refusal behind it
+    /// are logged, shown in /readyz and exported as waypoint_dataplane{dataplane,reason}.
     #[arg(long, env = "WAYPOINT_DATAPLANE", value_enum, default_value = "auto")]
     pub dataplane: dataplane::Kind,
 
@@ -300,7 +303,9 @@ pub struct Config {
     /// so that client and pod hold one TCP conversation and the waypoint's sockets carry
     /// no byte. Connections whose two sides negotiated different TCP options or MSS, or
     /// with one end on this node and the other elsewhere, take the SockHash. Needs
-    /// CAP_NET_ADMIN (TCP_REPAIR, TC) and CAP_NET_RAW (resets); IPv4.
+    /// CAP_NET_ADMIN (TCP_REPAIR, TC) and CAP_NET_RAW (resets), and Linux 5.12+ (the
+    /// program's atomics; below it `auto` runs ebpf without the rewrite splice, and
+    /// --dataplane ebpf fails the start); IPv4.
     #[arg(long, env = "WAYPOINT_REWRITE_SPLICE")]
     pub rewrite_splice: bool,
 

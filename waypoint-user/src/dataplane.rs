@@ -15,6 +15,7 @@
 mod background;
 mod bpf_cmd;
 mod btf;
+pub mod choice;
 pub mod clsact;
 pub mod copy;
 pub mod ebpf;
@@ -56,7 +57,7 @@ pub enum Kind {
     Splice,
     /// Userspace read/write copy: portable, slowest.
     Copy,
-    /// eBPF when the programs load and attach, else splice.
+    /// The first the kernel takes: eBPF as configured, eBPF without the rewrite splice, splice.
     Auto,
 }
 

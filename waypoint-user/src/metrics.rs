@@ -16,11 +16,17 @@ use prometheus_client::{
 
 use waypoint_common::Stat;
 
-use crate::dataplane::Dataplane;
+use crate::dataplane::{choice::Chosen, Dataplane};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct DataplaneLabel {
     dataplane: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ChosenLabel {
+    dataplane: &'static str,
+    reason: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -51,17 +57,21 @@ pub struct Metrics {
 }
 
 impl Metrics {
-    /// Registers the metrics for a daemon using `dataplane`.
-    pub fn new(dataplane: Arc<Dataplane>) -> Metrics {
+    /// Registers the metrics for a daemon using `dataplane`, chosen as `chosen` says.
+    pub fn new(dataplane: Arc<Dataplane>, chosen: &Chosen) -> Metrics {
         let mut registry = Registry::with_prefix("waypoint");
-        let info = Family::<DataplaneLabel, Gauge>::default();
-        info.get_or_create(&DataplaneLabel {
-            dataplane: dataplane.kind().as_str(),
+        let info = Family::<ChosenLabel, Gauge>::default();
+        info.get_or_create(&ChosenLabel {
+            dataplane: chosen.path,
+            reason: chosen.reason.as_str(),
         })
         .set(1);
         registry.register(
             "dataplane",
-            "The dataplane in use (value is always 1; see the label)",
+            "The path connections take (ebpf-rewrite, ebpf, splice, copy) and why: asked \
+             (--dataplane named it), probed (auto: the kernel took it), rewrite_refused or \
+             ebpf_refused (auto: the kernel refused the rung above; the log and /readyz say \
+             how). Always 1",
             info,
         );
         registry.register_collector(Box::new(DataplaneCollector { dataplane }));

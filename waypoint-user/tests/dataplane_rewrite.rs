@@ -1426,3 +1426,34 @@ impl Drop for Peer {
             .status();
     }
 }
+
+/// `auto` with the rewrite splice asked for probes the running kernel: the rewrite
+/// program loads from 5.12 (its atomic compare-exchange, fetch-and-add and and/or), and
+/// below it the verifier's refusal puts the daemon on the SockHash redirect, the
+/// refusal named. The kernel matrix (`cargo xtask kernels`) runs this on 5.10, 6.1 and
+/// 6.12.
+#[test]
+fn auto_takes_the_rewrite_splice_where_the_kernel_loads_it() {
+    use waypoint::dataplane::{choice, Kind};
+    common::require_root();
+    let config = ebpf::Config {
+        rewrite_splice: true,
+        ..ebpf::Config::default()
+    };
+    let (dp, chosen) = choice::choose(Kind::Auto, config, 1 << 16).unwrap();
+    let Dataplane::Ebpf(e) = &dp else {
+        panic!("{chosen}");
+    };
+    let kernel = aya::util::KernelVersion::current().unwrap();
+    if kernel >= aya::util::KernelVersion::new(5, 12, 0) {
+        assert!(e.config().rewrite_splice, "{chosen}");
+        assert_eq!(chosen.to_string(), "dataplane ebpf-rewrite (probed)");
+    } else {
+        assert!(!e.config().rewrite_splice, "{chosen}");
+        assert_eq!(
+            chosen.to_string(),
+            "dataplane ebpf (rewrite_refused): the kernel refused the rewrite program \
+             (Invalid argument (os error 22)): BPF_STX uses reserved fields"
+        );
+    }
+}

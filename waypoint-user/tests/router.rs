@@ -167,9 +167,14 @@ async fn routes_through(dataplane: &str, pod_ip: &str, port: u16) {
     let m = common::daemon::metrics(admin).await;
     assert!(
         m.contains(&format!(
-            "waypoint_dataplane{{dataplane=\"{dataplane}\"}} 1"
+            "waypoint_dataplane{{dataplane=\"{dataplane}\",reason=\"asked\"}} 1"
         )),
         "{m}"
+    );
+    let (_, body) = common::daemon::get(admin, "/readyz").await;
+    assert!(
+        body.contains(&format!("\ndataplane {dataplane} (asked)\n")),
+        "{body}"
     );
     // The stall watchdog's counter is there from the start, at zero: nothing stalled.
     assert!(
@@ -207,6 +212,26 @@ async fn routes_to_a_local_pod_with_splice() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routes_to_a_local_pod_with_copy() {
     routes_through("copy", "127.1.0.3", 15008).await;
+}
+
+/// `auto` probes the kernel and says what it runs and why, in the metric and in
+/// /readyz. The SockHash redirect loads on every kernel the project claims (5.10+).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_says_what_it_runs_and_why() {
+    let file = reviews_at("127.1.0.4");
+    let app = start(&file, &["--dataplane", "auto"]).await;
+    let admin = app.admin_addr;
+    let m = common::daemon::metrics(admin).await;
+    assert!(
+        m.contains("waypoint_dataplane{dataplane=\"ebpf\",reason=\"probed\"} 1"),
+        "{m}"
+    );
+    let (code, body) = common::daemon::get(admin, "/readyz").await;
+    assert_eq!(
+        (code, body.as_str()),
+        (200, "ready\ndataplane ebpf (probed)\n")
+    );
+    app.shutdown().await;
 }
 
 /// An IPv6 underlay: the tunnel on `[::1]`, the pod at `::1`, the registry's pod IP in

@@ -147,6 +147,8 @@ pub struct Hooks {
     /// The rewrite program is attached through netlink, on clsact qdiscs, as on a kernel
     /// without TCX.
     pub tc_netlink: bool,
+    /// Loading the rewrite program fails, as on a kernel whose verifier refuses it.
+    pub refuse_rewrite: bool,
 }
 
 impl Default for Config {
@@ -339,6 +341,51 @@ fn map_error_chain(e: &aya::maps::MapError) -> String {
 }
 
 impl Error {
+    /// The error on one line of at most about 300 characters: a verifier's refusal keeps
+    /// the system call's error and the verifier's last words (its log can run to
+    /// thousands of lines, which the full error carries).
+    pub fn brief(&self) -> String {
+        use aya::programs::ProgramError;
+        let verifier = match self {
+            Error::Verdict(ProgramError::LoadError {
+                io_error,
+                verifier_log,
+            })
+            | Error::Rewrite(ProgramError::LoadError {
+                io_error,
+                verifier_log,
+            }) => Some((io_error, verifier_log.to_string())),
+            _ => None,
+        };
+        let line = match verifier {
+            Some((io_error, log)) => {
+                let program = match self {
+                    Error::Verdict(_) => "stream verdict",
+                    _ => "rewrite program",
+                };
+                // The last lines are statistics ("processed N insns", "verification
+                // time"); the refusal is the line before them.
+                let last = log
+                    .lines()
+                    .map(str::trim)
+                    .rfind(|l| {
+                        !l.is_empty()
+                            && !l.starts_with("processed ")
+                            && !l.starts_with("verification time")
+                            && !l.starts_with("stack depth")
+                    })
+                    .unwrap_or("(no verifier log)");
+                format!("the kernel refused the {program} ({io_error}): {last}")
+            }
+            None => self.to_string().replace('\n', " "),
+        };
+        const MAX: usize = 300;
+        match line.char_indices().nth(MAX) {
+            Some((cut, _)) => format!("{}…", &line[..cut]),
+            None => line,
+        }
+    }
+
     /// The kernel refused the verdict program itself: the one failure that loading it
     /// without the repeat check (no `bpf_probe_read_kernel`, no CAP_PERFMON) can cure.
     fn refused_verdict(&self) -> bool {
@@ -378,9 +425,10 @@ impl Ebpf {
         match (offsets, Ebpf::load_with(config, offsets)) {
             (Some(_), Err(e)) if e.refused_verdict() => {
                 warn!(
-                    error = %e,
-                    "the verdict with the repeat check was refused (it needs CAP_PERFMON): loading it \
-                     without; segments that repeat delivered bytes will be forwarded whole"
+                    error = %e.brief(),
+                    "the kernel refused the stream verdict with the repeat check (it reads kernel \
+                     memory: CAP_PERFMON, and the running kernel's BTF); loading it without: \
+                     segments that repeat delivered bytes will be forwarded whole"
                 );
                 Ebpf::load_with(config, None)
             }
@@ -473,6 +521,15 @@ impl Ebpf {
                 .program_mut(REWRITE_PROG)
                 .ok_or_else(|| map_error("program", "rewrite classifier missing from the object"))?
                 .try_into()?;
+            #[cfg(any(test, feature = "test-hooks"))]
+            if config.hooks.refuse_rewrite {
+                return Err(Error::Rewrite(aya::programs::ProgramError::SyscallError(
+                    aya::sys::SyscallError {
+                        call: "bpf_prog_load (refused by a test hook)",
+                        io_error: io::Error::from_raw_os_error(libc::EINVAL),
+                    },
+                )));
+            }
             prog.load().map_err(Error::Rewrite)?;
             let records = match Records::attach(&mut loaded) {
                 Ok(r) => Some(r),

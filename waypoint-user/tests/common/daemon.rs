@@ -130,13 +130,23 @@ pub async fn sample(admin: SocketAddr, series: &str) -> f64 {
 
 /// GET a path on the admin server, returning the status code.
 pub async fn status(admin: SocketAddr, path: &str) -> u16 {
+    get(admin, path).await.0
+}
+
+/// GET a path on the admin server, returning the status code and the body.
+pub async fn get(admin: SocketAddr, path: &str) -> (u16, String) {
     let mut s = TcpStream::connect(admin).await.unwrap();
     s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
         .await
         .unwrap();
     let mut out = String::new();
     s.read_to_string(&mut out).await.unwrap();
-    out.split_whitespace().nth(1).unwrap().parse().unwrap()
+    let status = out.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let body = out
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (status, body)
 }
 
 /// The real `waypoint` binary in its own process (its own fd table and limits); killed on
