@@ -36,6 +36,11 @@ struct Kernel {
     package: &'static str,
     /// Its version.
     version: &'static str,
+    /// Whether the docs claim the rewrite splice on it (5.12+: the rewrite program's
+    /// atomics). Where not, the guest runs of `dataplane_rewrite` only the test of
+    /// `auto`'s fallback, of `router` everything but the rewrite splice, and the soak
+    /// without `ebpf-rewrite`.
+    rewrite: bool,
 }
 
 /// The kernels the docs claim, oldest first.
@@ -44,16 +49,19 @@ const KERNELS: &[Kernel] = &[
         name: "5.10",
         package: "linux-image-5.10.0-46-amd64",
         version: "5.10.262-1",
+        rewrite: false,
     },
     Kernel {
         name: "6.1",
         package: "linux-image-6.1.0-57-amd64",
         version: "6.1.192-3",
+        rewrite: true,
     },
     Kernel {
         name: "6.12",
         package: "linux-image-6.12.118+deb13-amd64",
         version: "6.12.118-1",
+        rewrite: true,
     },
 ];
 
@@ -67,6 +75,28 @@ const TESTS: &[&str] = &[
     "dataplane_rewrite",
     "router",
 ];
+
+/// A test binary's arguments on a kernel: all its tests where the kernel carries every
+/// path, else what the kernel is claimed for.
+fn test_args(test: &str, k: &Kernel) -> &'static [&'static str] {
+    match (test, k.rewrite) {
+        ("dataplane_rewrite", false) => &[
+            "--exact",
+            "auto_takes_the_rewrite_splice_where_the_kernel_loads_it",
+        ],
+        ("router", false) => &["--skip", "rewrite_splice"],
+        _ => &[],
+    }
+}
+
+/// The soak's dataplanes on a kernel.
+fn soak_dataplanes(k: &Kernel) -> &'static str {
+    if k.rewrite {
+        "ebpf,ebpf-rewrite,splice,copy"
+    } else {
+        "ebpf,splice,copy"
+    }
+}
 
 /// Seconds of the soak per dataplane in a guest.
 const SOAK_SECONDS: u32 = 20;
@@ -91,17 +121,35 @@ pub struct Args {
     #[arg(long)]
     kvm: bool,
     /// Where the packages and unpacked kernels are kept.
-    #[arg(long, default_value = "/var/cache/waypoint-kernels")]
+    #[arg(long, default_value = DEFAULT_CACHE)]
     cache: PathBuf,
     /// Leave out the soak.
     #[arg(long)]
     no_soak: bool,
 }
 
+impl Args {
+    /// Every kernel, with the soak, on TCG, the cache in its default place: what
+    /// `cargo xtask test` runs.
+    pub fn all() -> Args {
+        Args {
+            kernel: Vec::new(),
+            kvm: false,
+            cache: PathBuf::from(DEFAULT_CACHE),
+            no_soak: false,
+        }
+    }
+}
+
+/// Where the packages and unpacked kernels are kept by default.
+const DEFAULT_CACHE: &str = "/var/cache/waypoint-kernels";
+
 /// One guest's results: per test binary (and the soak), passed and failed counts, or
 /// why there are none.
 struct Row {
     kernel: &'static str,
+    /// Whether the rewrite splice is claimed (and tested) on it.
+    rewrite: bool,
     cells: Vec<(String, Cell)>,
 }
 
@@ -153,7 +201,7 @@ pub fn kernels(root: &Path, args: &Args) -> anyhow::Result<()> {
         let dir = out.join(k.name);
         fs::create_dir_all(&dir)?;
         let initramfs = initramfs(&unpacked, &dir)?;
-        let script = script(root, &binaries, &dir, args.no_soak)?;
+        let script = script(root, k, &binaries, &dir, args.no_soak)?;
         let started = Instant::now();
         let exits = boot(&unpacked, &initramfs, &script, &dir, args.kvm)?;
         eprintln!(
@@ -161,7 +209,7 @@ pub fn kernels(root: &Path, args: &Args) -> anyhow::Result<()> {
             k.name,
             started.elapsed().as_secs_f64()
         );
-        rows.push(results(k.name, &dir, &exits, args.no_soak));
+        rows.push(results(k, &dir, &exits, args.no_soak));
     }
     let table = table(&rows);
     println!("{table}");
@@ -448,7 +496,13 @@ poweroff -f
 
 /// The script the guest runs: each test binary (its output into `dir`, its exit on
 /// the console), then the soak.
-fn script(root: &Path, b: &Binaries, dir: &Path, no_soak: bool) -> anyhow::Result<PathBuf> {
+fn script(
+    root: &Path,
+    k: &Kernel,
+    b: &Binaries,
+    dir: &Path,
+    no_soak: bool,
+) -> anyhow::Result<PathBuf> {
     let mut s = String::from("#!/bin/sh\n");
     let _ = writeln!(s, "cd {}", root.display());
     let _ = writeln!(
@@ -459,8 +513,9 @@ fn script(root: &Path, b: &Binaries, dir: &Path, no_soak: bool) -> anyhow::Resul
         let log = dir.join(format!("{name}.log"));
         let _ = writeln!(
             s,
-            "{} > {} 2>&1; echo \"WAYPOINT-GUEST-RESULT {name} $?\"",
+            "{} {} > {} 2>&1; echo \"WAYPOINT-GUEST-RESULT {name} $?\"",
             exe.display(),
+            test_args(name, k).join(" "),
             log.display()
         );
     }
@@ -468,9 +523,10 @@ fn script(root: &Path, b: &Binaries, dir: &Path, no_soak: bool) -> anyhow::Resul
         let log = dir.join("soak.log");
         let _ = writeln!(
             s,
-            "{} soak --waypoint {} --seconds {SOAK_SECONDS} > {} 2>&1; echo \"WAYPOINT-GUEST-RESULT soak $?\"",
+            "{} soak --waypoint {} --seconds {SOAK_SECONDS} --dataplanes {} > {} 2>&1; echo \"WAYPOINT-GUEST-RESULT soak $?\"",
             b.bench.display(),
             b.waypoint.display(),
+            soak_dataplanes(k),
             log.display()
         );
     }
@@ -552,7 +608,7 @@ fn boot(
 }
 
 /// A guest's row: counts from each test binary's log, the soak's exit.
-fn results(kernel: &'static str, dir: &Path, exits: &[(String, i32)], no_soak: bool) -> Row {
+fn results(k: &Kernel, dir: &Path, exits: &[(String, i32)], no_soak: bool) -> Row {
     let mut cells = Vec::new();
     for t in TESTS {
         let exit = exits.iter().find(|(n, _)| n == t).map(|(_, c)| *c);
@@ -565,13 +621,19 @@ fn results(kernel: &'static str, dir: &Path, exits: &[(String, i32)], no_soak: b
         cells.push(((*t).to_owned(), cell));
     }
     if !no_soak {
-        let cell = match exits.iter().find(|(n, _)| n == "soak") {
-            Some((_, code)) => Cell::Exit(*code),
-            None => Cell::Missing,
+        let log = fs::read_to_string(dir.join("soak.log")).unwrap_or_default();
+        let cell = match (exits.iter().find(|(n, _)| n == "soak"), soak_counts(&log)) {
+            (None, _) => Cell::Missing,
+            (Some(_), Some((passed, failed))) => Cell::Counts { passed, failed },
+            (Some((_, code)), None) => Cell::Exit(*code),
         };
         cells.push(("soak".to_owned(), cell));
     }
-    Row { kernel, cells }
+    Row {
+        kernel: k.name,
+        rewrite: k.rewrite,
+        cells,
+    }
 }
 
 /// Passed and failed tests from a test binary's closing line.
@@ -586,21 +648,37 @@ fn counts(log: &str) -> Option<(u32, u32)> {
     Some((number("passed")?, number("failed")?))
 }
 
+/// Passed and failed connections from the soak's closing line (`soak: N passed, N
+/// failed`).
+fn soak_counts(log: &str) -> Option<(u32, u32)> {
+    let line = log.lines().rev().find_map(|l| l.strip_prefix("soak: "))?;
+    let (passed, failed) = line.split_once(" passed, ")?;
+    Some((
+        passed.trim().parse().ok()?,
+        failed.strip_suffix(" failed")?.trim().parse().ok()?,
+    ))
+}
+
 fn table(rows: &[Row]) -> String {
     let mut out = String::new();
     let Some(first) = rows.first() else {
         return out;
     };
-    let _ = write!(out, "| kernel |");
+    let _ = write!(out, "| kernel | rewrite splice |");
     for (name, _) in &first.cells {
         let _ = write!(out, " {name} |");
     }
-    let _ = write!(out, "\n|---|");
+    let _ = write!(out, "\n|---|---|");
     for _ in &first.cells {
         let _ = write!(out, "---|");
     }
     for r in rows {
-        let _ = write!(out, "\n| {} |", r.kernel);
+        let rewrite = if r.rewrite {
+            "claimed, tested"
+        } else {
+            "not claimed: `auto`'s fallback tested"
+        };
+        let _ = write!(out, "\n| {} | {rewrite} |", r.kernel);
         for (_, c) in &r.cells {
             let _ = write!(out, " {} |", c.show());
         }
@@ -617,5 +695,12 @@ mod tests {
         let log = "running 3 tests\n...\ntest result: FAILED. 2 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out; finished in 1.00s\n";
         assert_eq!(counts(log), Some((2, 1)));
         assert_eq!(counts("no result"), None);
+    }
+
+    #[test]
+    fn soak_counts_come_from_its_closing_line() {
+        let log = "soak: 20 s per dataplane, 24 connections at once\n| copy | raw |\nsoak: 2299 passed, 1 failed\n";
+        assert_eq!(soak_counts(log), Some((2299, 1)));
+        assert_eq!(soak_counts("soak: 20 s per dataplane"), None);
     }
 }

@@ -25,11 +25,15 @@ enum Task {
     BuildEbpf,
     /// Run the whole test suite: fmt check, clippy, a bounded fuzz run of the
     /// ClientHello parser, unit and integration tests (root: eBPF, real daemons), then
-    /// the soak (60 s per dataplane, TLS and raw clients). This is what CI runs.
+    /// the kernel matrix (`kernels`: Debian's 5.10, 6.1 and 6.12 under QEMU), then the
+    /// soak (60 s per dataplane, TLS and raw clients). This is what CI runs.
     Test {
         /// Skip fmt and clippy.
         #[arg(long)]
         no_lint: bool,
+        /// Skip the kernel matrix (about 12 minutes).
+        #[arg(long)]
+        no_kernels: bool,
     },
     /// Benchmarks (root). Without a subcommand: the comparison of direct TCP, the
     /// waypoint's ebpf/splice/copy dataplanes, nginx and HAProxy on loopback (bulk
@@ -171,7 +175,10 @@ fn main() -> anyhow::Result<()> {
     let root = root()?;
     match cli.task {
         Task::BuildEbpf => build_ebpf(&root),
-        Task::Test { no_lint } => test(&root, no_lint),
+        Task::Test {
+            no_lint,
+            no_kernels,
+        } => test(&root, no_lint, no_kernels),
         Task::Fuzz { seconds } => fuzz(&root, seconds),
         Task::Demo { keep, dataplane } => demo(&root, keep, &dataplane),
         Task::Soak { args } => soak(&root, &args),
@@ -389,7 +396,7 @@ fn fuzz(root: &Path, seconds: u32) -> anyhow::Result<()> {
         .arg(format!("-max_total_time={seconds}")))
 }
 
-fn test(root: &Path, no_lint: bool) -> anyhow::Result<()> {
+fn test(root: &Path, no_lint: bool, no_kernels: bool) -> anyhow::Result<()> {
     // The integration tier needs root (eBPF, network namespaces): fail loudly rather
     // than skip.
     let uid = Command::new("id")
@@ -406,6 +413,10 @@ fn test(root: &Path, no_lint: bool) -> anyhow::Result<()> {
     fuzz(root, 60)?;
     // Release: the dataplane tests move gigabytes; debug builds make them needlessly slow.
     run(cargo(root).args(["test", "--release"]))?;
+    // Every kernel the docs claim, each path it is claimed for.
+    if !no_kernels {
+        kernels::kernels(root, &kernels::Args::all())?;
+    }
     // The byte path proven by volume: every dataplane, real TLS and raw, under CPU
     // contention. Last, so that its closing line ("soak: N passed, N failed") closes
     // the run.
