@@ -36,6 +36,10 @@ struct Kernel {
     package: &'static str,
     /// Its version.
     version: &'static str,
+    /// The package's name around its ABI number, for when the pin has left Debian's
+    /// archive (a stable point release replaces the kernel): the newest of the series
+    /// is taken then, and the run says so.
+    series: (&'static str, &'static str),
     /// Whether the docs claim the rewrite splice on it (5.12+: the rewrite program's
     /// atomics). Where not, the guest runs of `dataplane_rewrite` only the test of
     /// `auto`'s fallback, of `router` everything but the rewrite splice, and the soak
@@ -49,18 +53,21 @@ const KERNELS: &[Kernel] = &[
         name: "5.10",
         package: "linux-image-5.10.0-46-amd64",
         version: "5.10.262-1",
+        series: ("linux-image-5.10.0-", "-amd64"),
         rewrite: false,
     },
     Kernel {
         name: "6.1",
         package: "linux-image-6.1.0-57-amd64",
         version: "6.1.192-3",
+        series: ("linux-image-6.1.0-", "-amd64"),
         rewrite: true,
     },
     Kernel {
         name: "6.12",
         package: "linux-image-6.12.118+deb13-amd64",
         version: "6.12.118-1",
+        series: ("linux-image-6.12.", "+deb13-amd64"),
         rewrite: true,
     },
 ];
@@ -333,7 +340,7 @@ fn fetch(cache: &Path, k: &Kernel) -> anyhow::Result<PathBuf> {
     };
     let debs = cache.join("debs");
     fs::create_dir_all(&debs)?;
-    let deb = debs.join(format!(
+    let mut deb = debs.join(format!(
         "{}_{}_amd64.deb",
         k.package,
         k.version.replace(':', "%3a")
@@ -342,12 +349,36 @@ fn fetch(cache: &Path, k: &Kernel) -> anyhow::Result<PathBuf> {
         let mut update = Command::new("apt-get");
         private(&mut update);
         run(update.arg("update"))?;
-        let mut download = Command::new("apt-get");
-        private(&mut download);
-        run(download
-            .current_dir(&debs)
-            .arg("download")
-            .arg(format!("{}={}", k.package, k.version)))?;
+        let download = |what: &str| -> anyhow::Result<bool> {
+            let mut c = Command::new("apt-get");
+            private(&mut c);
+            c.current_dir(&debs).arg("download").arg(what);
+            eprintln!("+ {c:?}");
+            Ok(c.status()?.success())
+        };
+        if !download(&format!("{}={}", k.package, k.version))? {
+            let mut names = Command::new("apt-cache");
+            private(&mut names);
+            let out = names.arg("pkgnames").arg(k.series.0).output()?;
+            let newest = newest_of_series(&String::from_utf8_lossy(&out.stdout), k.series)
+                .with_context(|| format!("no {}N{} in Debian's archive", k.series.0, k.series.1))?;
+            eprintln!(
+                "kernel {}: {}={} has left Debian's archive; taking {newest}, the newest of \
+                 its series (update the pin in xtask/src/kernels.rs)",
+                k.name, k.package, k.version
+            );
+            if !download(&newest)? {
+                bail!("apt-get download {newest} failed");
+            }
+            deb = fs::read_dir(&debs)?
+                .filter_map(Result::ok)
+                .map(|e| e.path())
+                .find(|p| {
+                    p.file_name()
+                        .is_some_and(|n| n.to_string_lossy().starts_with(&format!("{newest}_")))
+                })
+                .with_context(|| format!("{newest} downloaded, but no .deb of it"))?;
+        }
     }
     if unpacked.exists() {
         fs::remove_dir_all(&unpacked)?;
@@ -636,6 +667,19 @@ fn results(k: &Kernel, dir: &Path, exits: &[(String, i32)], no_soak: bool) -> Ro
     }
 }
 
+/// Of the package names `apt-cache pkgnames` listed, the one of `series` (prefix, ABI
+/// number, suffix) with the highest ABI number.
+fn newest_of_series(names: &str, (prefix, suffix): (&str, &str)) -> Option<String> {
+    names
+        .lines()
+        .filter_map(|n| {
+            let abi = n.trim().strip_prefix(prefix)?.strip_suffix(suffix)?;
+            Some((abi.parse::<u32>().ok()?, n.trim().to_owned()))
+        })
+        .max()
+        .map(|(_, n)| n)
+}
+
 /// Passed and failed tests from a test binary's closing line.
 fn counts(log: &str) -> Option<(u32, u32)> {
     let line = log.lines().rev().find(|l| l.starts_with("test result:"))?;
@@ -695,6 +739,25 @@ mod tests {
         let log = "running 3 tests\n...\ntest result: FAILED. 2 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out; finished in 1.00s\n";
         assert_eq!(counts(log), Some((2, 1)));
         assert_eq!(counts("no result"), None);
+    }
+
+    #[test]
+    fn the_newest_of_a_series_is_its_highest_abi() {
+        let names = "linux-image-6.1.0-57-amd64\nlinux-image-6.1.0-58-cloud-amd64\n\
+                     linux-image-6.1.0-9-amd64\nlinux-image-6.1.0-58-amd64-unsigned\n\
+                     linux-image-6.1.0-58-amd64\n";
+        let series = ("linux-image-6.1.0-", "-amd64");
+        assert_eq!(
+            newest_of_series(names, series).as_deref(),
+            Some("linux-image-6.1.0-58-amd64")
+        );
+        let trixie = ("linux-image-6.12.", "+deb13-amd64");
+        let names = "linux-image-6.12.118+deb13-amd64\nlinux-image-6.12.121+deb13-amd64\n";
+        assert_eq!(
+            newest_of_series(names, trixie).as_deref(),
+            Some("linux-image-6.12.121+deb13-amd64")
+        );
+        assert_eq!(newest_of_series("", series), None);
     }
 
     #[test]
