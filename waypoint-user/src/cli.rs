@@ -204,8 +204,9 @@ pub struct EnvoyConfigArgs {
     )]
     pub sds_cluster: String,
 
-    /// Connect timeout of the outbound cluster.
-    #[arg(long, value_parser = crate::config::parse_duration, default_value = "1s")]
+    /// Connect timeout of the outbound cluster. Above 1 s, TCP's first retransmission of
+    /// a lost SYN, so that one lost SYN or SYN-ACK does not fail the connection.
+    #[arg(long, value_parser = crate::config::parse_duration, default_value = "2s")]
     pub connect_timeout: std::time::Duration,
 }
 

@@ -216,8 +216,10 @@ pub struct Config {
     #[arg(long, env = "WAYPOINT_MAX_HELLO_BYTES", value_parser = parse_bytes, default_value = "64KiB")]
     pub max_hello_bytes: u64,
 
-    /// Deadline for one connect to a pod.
-    #[arg(long, env = "WAYPOINT_CONNECT_TIMEOUT", value_parser = parse_duration, default_value = "1s")]
+    /// Deadline for one connect to a pod. Above 1 s, TCP's first retransmission of a
+    /// lost SYN (RFC 6298's initial timeout), so that one lost SYN or SYN-ACK is not a
+    /// failed attempt.
+    #[arg(long, env = "WAYPOINT_CONNECT_TIMEOUT", value_parser = parse_duration, default_value = "2s")]
     pub connect_timeout: Duration,
 
     /// Connect attempts per connection, each to a different pod: this node's pods first,

@@ -81,7 +81,7 @@ fn config() -> envoy::Config {
                 .parse()
                 .unwrap(),
         ],
-        connect_timeout: Duration::from_secs(1),
+        connect_timeout: Duration::from_secs(2),
     }
 }
 
