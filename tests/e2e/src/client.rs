@@ -87,6 +87,11 @@ pub struct ClientArgs {
     /// Send at most this many bytes per second (a long transfer that overlaps others).
     #[arg(long, value_parser = parse_size)]
     pub rate: Option<u64>,
+    /// Ping-pong instead of a bulk transfer: this many messages, each written whole and
+    /// its echo read back before the next (sizes from 1 byte to 16 KiB; `--bytes` is
+    /// then unused).
+    #[arg(long)]
+    pub messages: Option<u32>,
     /// The server's service account (default: the service's name).
     #[arg(long)]
     pub expect_sa: Option<String>,
@@ -213,6 +218,13 @@ async fn exchange(args: &ClientArgs, report: &mut Report) -> anyhow::Result<()> 
         .context("reading the greeting")?;
     report.greeting = Some(serde_json::from_slice(&line).context("parsing the greeting")?);
 
+    if let Some(messages) = args.messages {
+        let (sent, received, intact) = ping_pong(&mut stream, messages).await?;
+        report.sent = sent;
+        report.received = received;
+        report.intact = intact;
+        return Ok(());
+    }
     let (r, w) = tokio::io::split(stream);
     let ((sent, sent_sha), (received, received_sha)) =
         tokio::try_join!(send(w, args.bytes, args.rate), receive(r))?;
@@ -222,6 +234,46 @@ async fn exchange(args: &ClientArgs, report: &mut Report) -> anyhow::Result<()> 
     report.sent_sha256 = sent_sha;
     report.received_sha256 = received_sha;
     Ok(())
+}
+
+/// `messages` round trips of the pattern, each echo compared with what was sent; then
+/// the client's close and the echo's. Returns bytes sent, bytes received and whether
+/// every echo matched and the echo closed right after the last one.
+async fn ping_pong<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    messages: u32,
+) -> anyhow::Result<(u64, u64, bool)> {
+    let mut pattern = Pattern(0x2545_f491_4f6c_dd1d);
+    let (mut sent, mut received, mut intact) = (0u64, 0u64, true);
+    let mut msg = vec![0u8; 16 << 10];
+    let mut back = vec![0u8; 16 << 10];
+    for i in 0..messages {
+        // Sizes cycle through 1 B, a few hundred, a segment and several segments.
+        let len = [1usize, 333, 1448, 4000, 16 << 10][i as usize % 5];
+        pattern.fill(&mut msg[..len]);
+        stream
+            .write_all(&msg[..len])
+            .await
+            .with_context(|| format!("sending message {i}"))?;
+        stream
+            .read_exact(&mut back[..len])
+            .await
+            .with_context(|| format!("reading the echo of message {i}"))?;
+        sent += len as u64;
+        received += len as u64;
+        intact &= back[..len] == msg[..len];
+    }
+    stream
+        .shutdown()
+        .await
+        .context("closing the sending side")?;
+    let mut rest = Vec::new();
+    stream
+        .read_to_end(&mut rest)
+        .await
+        .context("reading to the echo's close")?;
+    received += rest.len() as u64;
+    Ok((sent, received, intact && rest.is_empty()))
 }
 
 async fn read_line<R: AsyncRead + Unpin>(r: &mut R) -> anyhow::Result<Vec<u8>> {

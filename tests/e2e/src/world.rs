@@ -516,6 +516,9 @@ impl World {
         if let Some(rate) = t.rate {
             args.extend(["--rate".to_owned(), rate.to_string()]);
         }
+        if let Some(messages) = t.messages {
+            args.extend(["--messages".to_owned(), messages.to_string()]);
+        }
         args.extend(self.identity_args(&p.service_account));
         let log = self.next_log(&format!("client-{pod}"));
         let out = log.with_extension("json");
@@ -611,6 +614,116 @@ impl World {
         Ok(())
     }
 
+    /// Impairs the path between node `peer` and node `node`, and pod `pod`'s link: on the
+    /// underlay, each packet to or from `node` is dropped with probability `loss` (in
+    /// thousandths) and each packet between `peer` and `node` also arrives twice with
+    /// probability `dup`; in `pod`'s namespace, each packet in or out is dropped with
+    /// probability `loss`. nftables (`numgen random`), which every kernel here has (netem
+    /// is not built into every kernel). [`World::unimpair`] removes it all.
+    pub fn impair(
+        &self,
+        node: &str,
+        peer: &str,
+        pod: &str,
+        loss: u32,
+        dup: u32,
+    ) -> anyhow::Result<()> {
+        let (n, p) = (self.node(node)?, self.node(peer)?);
+        let (link, peer_link) = (n.uplink(), p.uplink());
+        let underlay = format!(
+            "table bridge wp_impair {{
+  chain forward {{
+    type filter hook forward priority 0; policy accept;
+    iifname \"{link}\" numgen random mod 1000 < {loss} counter drop
+    oifname \"{link}\" numgen random mod 1000 < {loss} counter drop
+  }}
+}}
+table netdev wp_dup {{
+  chain to_node {{
+    type filter hook ingress device \"{peer_link}\" priority 0; policy accept;
+    ip daddr {node_ip} numgen random mod 1000 < {dup} counter dup to \"{link}\"
+  }}
+  chain to_peer {{
+    type filter hook ingress device \"{link}\" priority 0; policy accept;
+    ip daddr {peer_ip} numgen random mod 1000 < {dup} counter dup to \"{peer_link}\"
+  }}
+}}
+",
+            node_ip = n.ip,
+            peer_ip = p.ip,
+        );
+        nft(UNDERLAY, &underlay)?;
+        let pod_side = format!(
+            "table inet wp_impair {{
+  chain input {{
+    type filter hook input priority 0; policy accept;
+    numgen random mod 1000 < {loss} counter drop
+  }}
+  chain output {{
+    type filter hook output priority 0; policy accept;
+    numgen random mod 1000 < {loss} counter drop
+  }}
+}}
+"
+        );
+        nft(&self.pod(pod)?.netns(), &pod_side)
+    }
+
+    /// What [`World::impair`] dropped and duplicated so far: the nft counters'
+    /// packets, summed per kind (dropped on the underlay, duplicated, dropped at the
+    /// pod).
+    pub fn impaired(&self, pod: &str) -> anyhow::Result<(u64, u64, u64)> {
+        let sum = |ns: &str, table: &str| -> anyhow::Result<u64> {
+            let out = netns::exec(ns, "nft", &["list", "table", table])?;
+            Ok(out
+                .split("counter packets ")
+                .skip(1)
+                .filter_map(|rest| rest.split_whitespace().next()?.parse::<u64>().ok())
+                .sum())
+        };
+        let pod_ns = self.pod(pod)?.netns();
+        Ok((
+            sum(UNDERLAY, "bridge wp_impair")?,
+            sum(UNDERLAY, "netdev wp_dup")?,
+            sum(&pod_ns, "inet wp_impair")?,
+        ))
+    }
+
+    /// Removes what [`World::impair`] added.
+    pub fn unimpair(&self, pod: &str) -> anyhow::Result<()> {
+        netns::exec(UNDERLAY, "nft", &["delete", "table", "bridge", "wp_impair"])?;
+        netns::exec(UNDERLAY, "nft", &["delete", "table", "netdev", "wp_dup"])?;
+        netns::exec(
+            &self.pod(pod)?.netns(),
+            "nft",
+            &["delete", "table", "inet", "wp_impair"],
+        )?;
+        Ok(())
+    }
+
+    /// Drops every packet to and from node `name` on the underlay (`dark`), or stops
+    /// doing so: a link that goes dark and comes back, its carrier up all along.
+    pub fn darken(&self, name: &str, dark: bool) -> anyhow::Result<()> {
+        if !dark {
+            netns::exec(UNDERLAY, "nft", &["delete", "table", "bridge", "wp_dark"])?;
+            return Ok(());
+        }
+        let link = self.node(name)?.uplink();
+        nft(
+            UNDERLAY,
+            &format!(
+                "table bridge wp_dark {{
+  chain forward {{
+    type filter hook forward priority -10; policy accept;
+    iifname \"{link}\" drop
+    oifname \"{link}\" drop
+  }}
+}}
+"
+            ),
+        )
+    }
+
     /// The last lines of every daemon's log, for a failure message.
     pub fn diagnostics(&self) -> String {
         let mut out = String::new();
@@ -652,6 +765,17 @@ impl Drop for World {
     }
 }
 
+/// Loads an nftables ruleset in namespace `ns`.
+fn nft(ns: &str, ruleset: &str) -> anyhow::Result<()> {
+    netns::run_with_input(
+        "ip",
+        &["netns", "exec", ns, "nft", "-f", "-"],
+        Some(ruleset),
+    )
+    .with_context(|| format!("nft in {ns}:\n{ruleset}"))?;
+    Ok(())
+}
+
 /// One client exchange.
 #[derive(Clone, Debug)]
 pub struct Transfer {
@@ -663,6 +787,8 @@ pub struct Transfer {
     pub bytes: u64,
     /// Pace, in bytes per second.
     pub rate: Option<u64>,
+    /// Ping-pong this many messages instead of a bulk transfer.
+    pub messages: Option<u32>,
     /// The client gives up after this long.
     pub timeout: Duration,
 }
@@ -675,6 +801,7 @@ impl Transfer {
             via: None,
             bytes,
             rate: None,
+            messages: None,
             timeout: Duration::from_secs(120),
         }
     }
@@ -688,6 +815,12 @@ impl Transfer {
     /// Paced at `rate` bytes per second.
     pub fn rate(mut self, rate: u64) -> Transfer {
         self.rate = Some(rate);
+        self
+    }
+
+    /// `messages` round trips of 1 B to 16 KiB instead of a bulk transfer.
+    pub fn ping_pong(mut self, messages: u32) -> Transfer {
+        self.messages = Some(messages);
         self
     }
 

@@ -86,11 +86,12 @@ fn run(dataplane: &str, extra: &[&str]) {
     let mut w = World::up(opts).expect("bringing the two clusters up");
     eprintln!("[{dataplane}] world up in {:.1?}", started.elapsed());
     let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| {
-        let steps: [Step; 6] = [
+        let steps: [Step; 7] = [
             ("1 cross-cluster through a waypoint", cross_cluster),
             ("  direct dial to a B pod IP fails", no_pod_route_across),
             ("2 intra-cluster stays direct", intra_cluster),
             ("4 abuse rejected while a transfer runs", abuse),
+            ("6 lossy links", lossy_links),
             ("5 graceful restart of a B waypoint", graceful_restart),
             ("3 node death", node_death),
         ];
@@ -332,6 +333,88 @@ fn abuse(w: &mut World) {
         );
     }
     assert_eq!(after.opened(), before.opened() + 1.0);
+}
+
+/// Bytes each way of a ping-pong of `messages` (see the client's message sizes).
+fn ping_pong_bytes(messages: u32) -> u64 {
+    (0..messages)
+        .map(|i| [1u64, 333, 1448, 4000, 16 << 10][i as usize % 5])
+        .sum()
+}
+
+/// Scenario 6: lossy links. 2 % of the packets to and from B1 dropped on the underlay
+/// and 1 % of those between A1 and B1 duplicated, and 2 % of svc-b's packets on B1
+/// dropped at the pod, both ways: bulk transfers (each ending in the client's
+/// half-close), a ping-pong, and a paced transfer across 2 s of a dark link to B1 all
+/// go through B1's waypoint intact. With the rewrite splice, each connection is
+/// rewritten (retransmissions, duplicates and SACK blocks pass the program).
+fn lossy_links(w: &mut World) {
+    const POD: &str = "svc-b-b1";
+    let before = w.metrics("b1").unwrap();
+    w.impair("b1", "a1", POD, 20, 10).unwrap();
+    let mut bulk_ms = Vec::new();
+    for _ in 0..3 {
+        let r = w
+            .client(CLIENT, &Transfer::new(SVC_B, 8 * MIB).via("b1"))
+            .unwrap();
+        assert_eq!(assert_cross(w, &r, 8 * MIB), "b1");
+        bulk_ms.push(r.elapsed_ms);
+    }
+    let messages = 300;
+    let r = w
+        .client(
+            CLIENT,
+            &Transfer::new(SVC_B, 0).via("b1").ping_pong(messages),
+        )
+        .unwrap();
+    assert_eq!(assert_cross(w, &r, ping_pong_bytes(messages)), "b1");
+    let ping_pong_ms = r.elapsed_ms;
+    let dark = w
+        .spawn_client(
+            CLIENT,
+            &Transfer::new(SVC_B, 16 * MIB)
+                .via("b1")
+                .rate(4 * MIB)
+                .timeout(Duration::from_secs(60)),
+        )
+        .unwrap();
+    sleep(Duration::from_secs(1));
+    w.darken("b1", true).unwrap();
+    sleep(Duration::from_secs(2));
+    w.darken("b1", false).unwrap();
+    let r = World::finish_client(dark, Duration::from_secs(90)).unwrap();
+    assert_eq!(assert_cross(w, &r, 16 * MIB), "b1");
+    let (dropped, duplicated, dropped_at_pod) = w.impaired(POD).unwrap();
+    w.unimpair(POD).unwrap();
+    assert!(
+        dropped > 0 && duplicated > 0 && dropped_at_pod > 0,
+        "the links were impaired: {dropped} dropped, {duplicated} duplicated, \
+         {dropped_at_pod} dropped at the pod"
+    );
+    eprintln!(
+        "    {dropped} packets dropped on the underlay, {duplicated} duplicated, \
+         {dropped_at_pod} dropped at the pod; 3 × 8 MiB in {bulk_ms:?} ms, {messages} \
+         round trips in {ping_pong_ms} ms, 16 MiB across 2 s dark in {} ms",
+        r.elapsed_ms
+    );
+    let after = w.metrics("b1").unwrap();
+    assert_eq!(after.opened(), before.opened() + 5.0);
+    if w.opts.daemon_extra.iter().any(|a| a == "--rewrite-splice") {
+        let results: Vec<(String, f64)> = after
+            .0
+            .iter()
+            .filter(|(k, _)| k.starts_with("waypoint_rewrite_connections_total"))
+            .map(|(k, v)| (k.clone(), v - before.get(k)))
+            .filter(|(_, d)| *d != 0.0)
+            .collect();
+        eprintln!("    rewrite: {results:?}");
+        let spliced = r#"waypoint_rewrite_connections_total{result="spliced"}"#;
+        assert_eq!(
+            after.get(spliced),
+            before.get(spliced) + 5.0,
+            "every connection spliced by rewriting: {results:?}"
+        );
+    }
 }
 
 /// Scenario 5: SIGTERM a B waypoint: a connection that ends within the drain deadline
