@@ -149,9 +149,16 @@ impl App {
             dataplane,
             router_metrics,
         ));
+        let mss = config.tunnel_mss.map(|m| m.resolve(config.tunnel_addr));
+        if let Some(mss) = mss {
+            info!(mss, asked = ?config.tunnel_mss, "tunnel listeners advertise at most this MSS");
+        }
         let workers = Workers::start(
-            workers::count(usize::from(config.workers)),
-            config.pin_workers,
+            workers::Listen {
+                workers: workers::count(usize::from(config.workers)),
+                pin: config.pin_workers,
+                mss,
+            },
             config.tunnel_addr,
             &router,
             &stop,

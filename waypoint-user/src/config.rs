@@ -95,6 +95,89 @@ pub fn parse_socket_buffer(s: &str) -> Result<u64, String> {
     Ok(n)
 }
 
+/// `--tunnel-mss`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TunnelMss {
+    /// From the smallest MTU of the node's interfaces, at start.
+    Auto,
+    /// This many bytes.
+    Bytes(u32),
+}
+
+/// The kernel's bounds on TCP_MAXSEG (`TCP_MIN_MSS`, `MAX_TCP_WINDOW`).
+const MSS_RANGE: std::ops::RangeInclusive<u32> = 88..=32767;
+
+/// Parses `--tunnel-mss`: `auto` or a number of bytes within the kernel's bounds.
+pub fn parse_tunnel_mss(s: &str) -> Result<TunnelMss, String> {
+    if s == "auto" {
+        return Ok(TunnelMss::Auto);
+    }
+    match s.parse::<u32>() {
+        Ok(n) if MSS_RANGE.contains(&n) => Ok(TunnelMss::Bytes(n)),
+        _ => Err(format!(
+            "{s:?}: expected auto or an MSS in bytes from {} to {}",
+            MSS_RANGE.start(),
+            MSS_RANGE.end()
+        )),
+    }
+}
+
+impl TunnelMss {
+    /// The MSS for a listener on `addr`; `auto` reads the interfaces now. An `auto`
+    /// that finds no interface gives the IPv4 minimum MTU's (576) MSS, logged.
+    pub fn resolve(self, addr: SocketAddr) -> u32 {
+        match self {
+            TunnelMss::Bytes(n) => n,
+            TunnelMss::Auto => {
+                let mtus = interface_mtus();
+                auto_mss(&mtus, addr.is_ipv6()).unwrap_or_else(|| {
+                    tracing::warn!(
+                        "--tunnel-mss auto found no interface up besides lo: advertising 536"
+                    );
+                    536
+                })
+            }
+        }
+    }
+}
+
+/// The node's interfaces as (name, MTU, up), from /sys/class/net (a DaemonSet's pod in
+/// the host network sees the node's); what cannot be read is left out.
+fn interface_mtus() -> Vec<(String, u32, bool)> {
+    let Ok(dir) = std::fs::read_dir("/sys/class/net") else {
+        return Vec::new();
+    };
+    dir.filter_map(Result::ok)
+        .filter_map(|e| {
+            let read = |f: &str| std::fs::read_to_string(e.path().join(f)).ok();
+            let mtu = read("mtu")?.trim().parse().ok()?;
+            // IFF_UP is bit 0 of the interface's flags.
+            let flags = read("flags")?;
+            let flags = u32::from_str_radix(flags.trim().trim_start_matches("0x"), 16).ok()?;
+            Some((
+                e.file_name().to_string_lossy().into_owned(),
+                mtu,
+                flags & 1 == 1,
+            ))
+        })
+        .collect()
+}
+
+/// `auto`'s MSS from the interfaces' (name, MTU, up): the smallest MTU of those up, lo
+/// aside, less the IP (20 or 40 bytes) and TCP (20) headers; None if there is none.
+pub fn auto_mss(interfaces: &[(String, u32, bool)], ipv6: bool) -> Option<u32> {
+    let headers = if ipv6 { 60 } else { 40 };
+    interfaces
+        .iter()
+        .filter(|(name, _, up)| *up && name != "lo")
+        .map(|(_, mtu, _)| *mtu)
+        .min()
+        .map(|mtu| {
+            mtu.saturating_sub(headers)
+                .clamp(*MSS_RANGE.start(), *MSS_RANGE.end())
+        })
+}
+
 /// Settings of the `waypoint run` daemon.
 #[derive(Clone, Debug, clap::Args)]
 pub struct Config {
@@ -246,6 +329,17 @@ pub struct Config {
     /// a CPU that other work keeps busy.
     #[arg(long, env = "WAYPOINT_PIN_WORKERS")]
     pub pin_workers: bool,
+
+    /// The largest MSS the tunnel listener advertises to clients (TCP_MAXSEG): a number
+    /// of bytes (88 to 32767), or `auto`: the smallest MTU of the node's interfaces that
+    /// are up, lo aside, at start, less 40 bytes of IPv4 and TCP headers (60 on an IPv6
+    /// tunnel address). Unset, the route decides, as for any socket. The rewrite splice
+    /// needs a connection's two sides to advertise one MSS: where the pods' links carry
+    /// smaller packets than the node's (Flannel's VXLAN: 1450 against 1500), `auto` makes
+    /// the client's side advertise what the pod's side does, and the connection
+    /// qualifies.
+    #[arg(long, env = "WAYPOINT_TUNNEL_MSS", value_parser = parse_tunnel_mss)]
+    pub tunnel_mss: Option<TunnelMss>,
 
     /// Connections still sending their hello beyond which new ones are refused.
     #[arg(long, env = "WAYPOINT_MAX_PENDING_HANDSHAKES", default_value_t = 4096)]
@@ -461,6 +555,36 @@ impl Config {
 mod tests {
     #![allow(clippy::unwrap_used, reason = "tests")]
     use super::*;
+
+    #[test]
+    fn tunnel_mss_is_auto_or_within_the_kernels_bounds() {
+        assert_eq!(parse_tunnel_mss("auto"), Ok(TunnelMss::Auto));
+        assert_eq!(parse_tunnel_mss("1410"), Ok(TunnelMss::Bytes(1410)));
+        for bad in ["87", "32768", "0", "-1", "1410B", "Auto", ""] {
+            let e = parse_tunnel_mss(bad).unwrap_err();
+            assert!(
+                e.contains("expected auto or an MSS in bytes from 88 to 32767"),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn auto_mss_is_the_smallest_mtu_up_less_the_headers() {
+        let i = |name: &str, mtu, up| (name.to_owned(), mtu, up);
+        // A Flannel node: VXLAN and the pods' bridge at 1450.
+        let flannel = [
+            i("lo", 65536, true),
+            i("eth0", 1500, true),
+            i("flannel.1", 1450, true),
+            i("cni0", 1450, true),
+            i("docker0", 1280, false),
+        ];
+        assert_eq!(auto_mss(&flannel, false), Some(1410));
+        assert_eq!(auto_mss(&flannel, true), Some(1390));
+        assert_eq!(auto_mss(&[i("lo", 65536, true)], false), None);
+        assert_eq!(auto_mss(&[i("tiny", 100, true)], false), Some(88));
+    }
 
     #[test]
     fn listen_addresses_take_an_ip_alone_of_either_family() {

@@ -80,7 +80,14 @@ pub(crate) const DEFER_ACCEPT: std::time::Duration = std::time::Duration::from_s
 ///
 /// With `cpu`, the listener asks for the connections whose SYN that CPU handled
 /// (SO_INCOMING_CPU).
-fn listen(addr: SocketAddr, cpu: Option<usize>) -> std::io::Result<std::net::TcpListener> {
+///
+/// With `mss`, the MSS the listener advertises is at most that (TCP_MAXSEG, inherited by
+/// accepted sockets): see [`Listen::mss`].
+fn listen(
+    addr: SocketAddr,
+    cpu: Option<usize>,
+    mss: Option<u32>,
+) -> std::io::Result<std::net::TcpListener> {
     let socket = socket2::Socket::new(
         socket2::Domain::for_address(addr),
         socket2::Type::STREAM.nonblocking().cloexec(),
@@ -90,6 +97,9 @@ fn listen(addr: SocketAddr, cpu: Option<usize>) -> std::io::Result<std::net::Tcp
     socket.set_reuse_port(true)?;
     socket.set_tcp_nodelay(true)?;
     set_defer_accept(&socket, DEFER_ACCEPT_SECS)?;
+    if let Some(mss) = mss {
+        socket.set_tcp_mss(mss)?;
+    }
     if let Some(cpu) = cpu {
         socket.set_cpu_affinity(cpu)?;
     }
@@ -126,6 +136,19 @@ struct Worker {
     thread: Option<JoinHandle<()>>,
 }
 
+/// How the workers listen.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Listen {
+    /// Worker threads, each with its own listener (at least 1).
+    pub workers: usize,
+    /// Pin worker i to the i-th CPU this process may run on (see [`Workers::start`]).
+    pub pin: bool,
+    /// The largest MSS the listeners advertise (TCP_MAXSEG), below the route's when the
+    /// pods' links carry smaller packets than the node's: the rewrite splice needs both
+    /// sides of a connection to advertise one MSS (see `--tunnel-mss`).
+    pub mss: Option<u32>,
+}
+
 /// The running workers.
 pub struct Workers {
     workers: Vec<Worker>,
@@ -140,19 +163,24 @@ impl Workers {
     /// i-th CPU this process may run on (round robin when there are more workers than
     /// CPUs) and takes the connections that arrive on it.
     pub fn start(
-        n: usize,
-        pin: bool,
+        listen_as: Listen,
         addr: SocketAddr,
         router: &Arc<Router>,
         stop: &CancellationToken,
         kill: &CancellationToken,
         tracker: &TaskTracker,
     ) -> Result<Workers, Error> {
-        let n = n.max(1);
-        let cpus = if pin { allowed_cpus()? } else { Vec::new() };
+        let n = listen_as.workers.max(1);
+        let cpus = if listen_as.pin {
+            allowed_cpus()?
+        } else {
+            Vec::new()
+        };
         // None when not pinned (or, defensively, when the mask is empty).
         let cpu_of = |worker: usize| (!cpus.is_empty()).then(|| cpus[worker % cpus.len()]);
-        let bind = |addr, cpu| listen(addr, cpu).map_err(|source| Error::Bind { addr, source });
+        let bind = |addr, cpu| {
+            listen(addr, cpu, listen_as.mss).map_err(|source| Error::Bind { addr, source })
+        };
         let first = bind(addr, cpu_of(0))?;
         let addr = first
             .local_addr()
@@ -223,7 +251,7 @@ impl Workers {
                 }
             }
         }
-        info!(workers = n, pinned = pin, %addr, dataplane = router.dataplane_kind().as_str(), "tunnel listeners accepting");
+        info!(workers = n, pinned = listen_as.pin, mss = ?listen_as.mss, %addr, dataplane = router.dataplane_kind().as_str(), "tunnel listeners accepting");
         Ok(Workers { workers, addr })
     }
 
@@ -275,12 +303,39 @@ mod tests {
         assert_eq!(count(0), cpus);
     }
 
+    /// A listener with an MSS advertises it (lo's MTU would give 65,483) and its accepted
+    /// sockets keep it: the client sends no larger segment.
+    #[test]
+    fn a_listener_with_an_mss_advertises_it() {
+        use std::io::Write as _;
+        let listener = listen("127.0.0.1:0".parse().unwrap(), None, Some(1000)).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut client = std::net::TcpStream::connect(addr).unwrap();
+        client.write_all(b"hi").unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        let accepted = loop {
+            match listener.accept() {
+                Ok((c, _)) => break c,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    assert!(std::time::Instant::now() < deadline, "never accepted");
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+                Err(e) => panic!("accept: {e}"),
+            }
+        };
+        // Less the timestamps option (12 bytes) when it was negotiated.
+        let advmss = crate::sys::tcp_info(&accepted).unwrap().tcpi_advmss;
+        assert!((988..=1000).contains(&advmss), "{advmss}");
+        let snd_mss = crate::sys::tcp_info(&client).unwrap().tcpi_snd_mss;
+        assert!((988..=1000).contains(&snd_mss), "{snd_mss}");
+    }
+
     /// An accepted socket comes with TCP_NODELAY (the router no longer sets it) and only
     /// once the client has sent something (TCP_DEFER_ACCEPT).
     #[test]
     fn accepted_sockets_have_nodelay_and_data() {
         use std::io::{Read as _, Write as _};
-        let listener = listen("127.0.0.1:0".parse().unwrap(), None).unwrap();
+        let listener = listen("127.0.0.1:0".parse().unwrap(), None, None).unwrap();
         let addr = listener.local_addr().unwrap();
         let mut client = std::net::TcpStream::connect(addr).unwrap();
         // Connected from the client's side, but nothing sent: not acceptable yet (the
@@ -327,7 +382,11 @@ mod tests {
             CancellationToken::new(),
             TaskTracker::new(),
         );
-        let Err(e) = Workers::start(2, false, addr, &router, &stop, &kill, &tracker) else {
+        let two = Listen {
+            workers: 2,
+            ..Listen::default()
+        };
+        let Err(e) = Workers::start(two, addr, &router, &stop, &kill, &tracker) else {
             panic!("bound a port that is taken");
         };
         assert!(matches!(e, Error::Bind { .. }), "{e}");
@@ -360,8 +419,11 @@ mod tests {
         );
         let n = cpus.len();
         let mut workers = Workers::start(
-            n,
-            true,
+            Listen {
+                workers: n,
+                pin: true,
+                mss: None,
+            },
             "127.0.0.1:0".parse().unwrap(),
             &router,
             &stop,

@@ -12,7 +12,8 @@
 //! Both clusters use the pod CIDR 10.244.0.0/16, as two default Flannel clusters do: each
 //! node routes the other node of its own cluster's /24 via that node's IP (host-gw) and
 //! nothing across clusters. Pod traffic leaving the pod network is masqueraded on its node
-//! (Flannel's ip-masq), so another cluster's node can answer it.
+//! (Flannel's ip-masq), so another cluster's node can answer it. The underlay's MTU is
+//! 1500, the pods' links' and bridges' 1450, as with Flannel's VXLAN.
 
 use std::net::{Ipv4Addr, SocketAddr};
 
@@ -38,6 +39,10 @@ pub const POD_PORT: u16 = 15008;
 pub const TUNNEL_PORT: u16 = 15443;
 /// The waypoints' admin port.
 pub const ADMIN_PORT: u16 = 15021;
+/// The MTU of the pods' links and bridges: Flannel's VXLAN MTU, below the underlay's
+/// 1500, so a connection's client side and pod side see different MTUs (the daemons run
+/// with `--tunnel-mss auto`).
+pub const POD_MTU: &str = "1450";
 
 /// One simulated node.
 #[derive(Clone, Debug)]
@@ -266,7 +271,9 @@ impl Layout {
         netns::software_checksums(UNDERLAY, &n.uplink(), false)?;
         netns::software_checksums(ns, "eth0", false)?;
         netns::exec(ns, "sysctl", &["-qw", "net.ipv4.ip_forward=1"])?;
-        netns::ip(&["-n", ns, "link", "add", "cni0", "type", "bridge"])?;
+        netns::ip(&[
+            "-n", ns, "link", "add", "cni0", "mtu", POD_MTU, "type", "bridge",
+        ])?;
         netns::ip(&[
             "-n",
             ns,
@@ -311,11 +318,15 @@ fn build_pod(node: &Node, p: &Pod) -> Result<(), Error> {
         "link",
         "add",
         &p.hostlink(),
+        "mtu",
+        POD_MTU,
         "type",
         "veth",
         "peer",
         "name",
         "eth0",
+        "mtu",
+        POD_MTU,
         "netns",
         ns,
     ])?;

@@ -362,6 +362,9 @@ impl World {
             ms(self.opts.hello_timeout),
             "--drain-timeout".into(),
             ms(self.opts.drain_timeout),
+            // The pods' links carry 1450-byte packets, the underlay 1500 (see topology).
+            "--tunnel-mss".into(),
+            "auto".into(),
         ]
         .into_iter()
         .chain(self.opts.daemon_extra.iter().cloned())
