@@ -207,7 +207,7 @@ pub fn kernels(root: &Path, args: &Args) -> anyhow::Result<()> {
         let unpacked = fetch(&args.cache, k)?;
         let dir = out.join(k.name);
         fs::create_dir_all(&dir)?;
-        let initramfs = initramfs(&unpacked, &dir)?;
+        let initramfs = initramfs(&unpacked, &dir, &host_tmp_paths(root))?;
         let script = script(root, k, &binaries, &dir, args.no_soak)?;
         let started = Instant::now();
         let exits = boot(&unpacked, &initramfs, &script, &dir, args.kvm)?;
@@ -413,7 +413,20 @@ const BOOT_MODULES: &[&str] = &["virtio_pci", "9pnet_virtio", "9p"];
 
 /// Builds the guest's initramfs: busybox, the 9p modules (decompressed: busybox's
 /// insmod takes plain ELF), and `/init`.
-fn initramfs(unpacked: &Path, dir: &Path) -> anyhow::Result<PathBuf> {
+/// The workspace and the target directory where they lie under /tmp, which the guest
+/// mounts a tmpfs of its own over: the guest reaches them through the host's /tmp,
+/// bound under that tmpfs (a checkout in /tmp, as a CI runner's may be, then works).
+fn host_tmp_paths(root: &Path) -> Vec<PathBuf> {
+    let mut paths: Vec<PathBuf> = Vec::new();
+    for p in [root.to_path_buf(), target_dir(root)] {
+        if p.starts_with("/tmp") && !paths.iter().any(|q| p.starts_with(q)) {
+            paths.push(p);
+        }
+    }
+    paths
+}
+
+fn initramfs(unpacked: &Path, dir: &Path, host_tmp: &[PathBuf]) -> anyhow::Result<PathBuf> {
     let (base, release) = modules(unpacked)?;
     let tree = dir.join("initramfs");
     if tree.exists() {
@@ -502,7 +515,13 @@ mount -t devtmpfs dev /root/dev
 mkdir -p /root/dev/pts /root/dev/shm
 mount -t devpts devpts /root/dev/pts
 mount -t tmpfs shm /root/dev/shm
+mkdir -p /hosttmp
+mount -o bind /root/tmp /hosttmp
 mount -t tmpfs tmp /root/tmp
+for p in {host_tmp}; do
+    mkdir -p "/root$p"
+    mount -o bind "/hosttmp${{p#/tmp}}" "/root$p" || echo "WAYPOINT-GUEST bind $p failed"
+done
 mount -t tmpfs run /root/run
 mount -t bpf bpf /root/sys/fs/bpf
 mount -t cgroup2 cgroup2 /root/sys/fs/cgroup
@@ -514,6 +533,11 @@ echo "WAYPOINT-GUEST-EXIT $?"
 poweroff -f
 "#,
         order = order.join(" "),
+        host_tmp = host_tmp
+            .iter()
+            .map(|p| format!("'{}'", p.display()))
+            .collect::<Vec<_>>()
+            .join(" "),
     );
     fs::write(tree.join("init"), init)?;
     run(Command::new("chmod").arg("755").arg(tree.join("init")))?;
@@ -758,6 +782,17 @@ mod tests {
             Some("linux-image-6.12.121+deb13-amd64")
         );
         assert_eq!(newest_of_series("", series), None);
+    }
+
+    #[test]
+    fn a_workspace_under_tmp_is_bound_into_the_guests_tmp() {
+        let paths = host_tmp_paths(Path::new("/tmp/ci-clone"));
+        if std::env::var_os("CARGO_TARGET_DIR").is_none() {
+            assert_eq!(paths, [PathBuf::from("/tmp/ci-clone")]);
+        }
+        assert!(!host_tmp_paths(Path::new("/work/main"))
+            .iter()
+            .any(|p| p.starts_with("/work")));
     }
 
     #[test]
