@@ -5,6 +5,9 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 // Only the etcd harness is needed; included by path so that tests/common/mod.rs (shared
 // by the other test binaries) stays as it is.
+#[path = "common/daemon.rs"]
+#[allow(dead_code, reason = "the daemon harness serves several test binaries")]
+mod daemon_harness;
 #[path = "common/etcd.rs"]
 #[allow(dead_code, reason = "the harness serves several test binaries")]
 mod etcd_harness;
@@ -450,23 +453,6 @@ async fn malformed_and_foreign_records_are_skipped_and_counted() {
     stop.cancel();
 }
 
-/// GETs `path` from the admin server: (status, body).
-async fn get(admin: std::net::SocketAddr, path: &str) -> (u16, String) {
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let mut s = tokio::net::TcpStream::connect(admin).await.unwrap();
-    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
-        .await
-        .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.unwrap();
-    let status = out.split_whitespace().nth(1).unwrap().parse().unwrap();
-    let body = out
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_owned())
-        .unwrap_or_default();
-    (status, body)
-}
-
 #[derive(clap::Parser)]
 struct Args {
     #[command(flatten)]
@@ -522,12 +508,12 @@ async fn daemon_registers_its_pods_serves_the_view_and_revokes_on_shutdown() {
         has_pod(&app.store, "reviews-a7")
     })
     .await;
-    let (code, body) = get(app.admin_addr, "/readyz").await;
+    let (code, body) = daemon_harness::get(app.admin_addr, "/readyz").await;
     assert_eq!(code, 200);
     assert!(body.contains("etcd connected"), "{body}");
 
     // Cluster b's view of a's pod: through a's node waypoint.
-    let (code, body) = get(
+    let (code, body) = daemon_harness::get(
         app.admin_addr,
         "/v1/resolve?service=reviews.bookinfo%3A9080&cluster=b&node=b1&mode=cross-cluster",
     )
@@ -541,11 +527,17 @@ async fn daemon_registers_its_pods_serves_the_view_and_revokes_on_shutdown() {
     );
     assert_eq!(view["endpoints"][0]["waypoint"], true);
     // And its own: direct.
-    let (_, body) = get(app.admin_addr, "/v1/resolve?service=reviews.bookinfo:9080").await;
+    let (_, body) =
+        daemon_harness::get(app.admin_addr, "/v1/resolve?service=reviews.bookinfo:9080").await;
     let view: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(view["endpoints"][0]["address"], "10.1.0.7:15008");
     assert_eq!(view["endpoints"][0]["sni"], "9080");
-    assert_eq!(get(app.admin_addr, "/v1/resolve?service=nope").await.0, 400);
+    assert_eq!(
+        daemon_harness::get(app.admin_addr, "/v1/resolve?service=nope")
+            .await
+            .0,
+        400
+    );
 
     // The file changes: the registrar follows.
     std::fs::write(
