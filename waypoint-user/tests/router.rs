@@ -838,7 +838,14 @@ async fn out_of_descriptors_waits_or_refuses_then_recovers() {
     // whole fixed cost (a slow machine's fill would otherwise outlast --park-after, and
     // the parker take the descriptors of the table's last connection).
     let mut held = vec![routed(tunnel, &hello).await];
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let parked = async {
+        while sample(admin, "waypoint_connection_parks_total").await < 1.0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(WAIT, parked)
+        .await
+        .expect("the idle connection parked");
     // Fill the table: every routed connection holds two descriptors.
     let at_rest = daemon.open_fds() as u64 - 2;
     assert!(at_rest + 8 < LIMIT, "{at_rest} descriptors at rest");
