@@ -62,6 +62,16 @@ async fn routed(tunnel: std::net::SocketAddr, hello: &[u8]) -> TcpStream {
     c
 }
 
+/// Waits (at most `WAIT`, else panics with `what`) until `series` is at least `min`.
+async fn until_at_least(admin: std::net::SocketAddr, series: &str, min: f64, what: &str) {
+    let reached = async {
+        while sample(admin, series).await < min {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(WAIT, reached).await.expect(what);
+}
+
 /// Waits (at most `WAIT`) until connecting to `tunnel` is refused: no listener left.
 async fn until_refused(tunnel: std::net::SocketAddr) {
     let refused = async {
@@ -262,14 +272,13 @@ async fn routes_over_ipv6(dataplane: &str, extra: &[&str], pod_port: u16) {
     // it into the kernel.
     echo_after_a_pause(app.tunnel_addr, &hello, &payload[..64 << 10], &payload).await;
     let admin = app.admin_addr;
-    let closed = async {
-        while sample(admin, "waypoint_connections_closed_total{end=\"closed\"}").await < 2.0 {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    };
-    tokio::time::timeout(WAIT, closed)
-        .await
-        .expect("both connections counted as closed");
+    until_at_least(
+        admin,
+        "waypoint_connections_closed_total{end=\"closed\"}",
+        2.0,
+        "both connections counted as closed",
+    )
+    .await;
     if dataplane == "ebpf" {
         let moved = "waypoint_ebpf_connections_total{path=\"moved\"}";
         assert!(
@@ -498,14 +507,13 @@ async fn the_connection_limit_refuses_the_excess_and_recovers() {
         c.write_all(&hello[..50]).await.unwrap();
         stalled.push(c);
     }
-    let full = async {
-        while sample(admin, "waypoint_pending_handshakes").await < (LIMIT / 2) as f64 {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    };
-    tokio::time::timeout(WAIT, full)
-        .await
-        .expect("every stalled hello pending");
+    until_at_least(
+        admin,
+        "waypoint_pending_handshakes",
+        (LIMIT / 2) as f64,
+        "every stalled hello pending",
+    )
+    .await;
     assert_eq!(
         sample(admin, overload).await,
         0.0,
@@ -838,14 +846,13 @@ async fn out_of_descriptors_waits_or_refuses_then_recovers() {
     // whole fixed cost (a slow machine's fill would otherwise outlast --park-after, and
     // the parker take the descriptors of the table's last connection).
     let mut held = vec![routed(tunnel, &hello).await];
-    let parked = async {
-        while sample(admin, "waypoint_connection_parks_total").await < 1.0 {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    };
-    tokio::time::timeout(WAIT, parked)
-        .await
-        .expect("the idle connection parked");
+    until_at_least(
+        admin,
+        "waypoint_connection_parks_total",
+        1.0,
+        "the idle connection parked",
+    )
+    .await;
     // Fill the table: every routed connection holds two descriptors.
     let at_rest = daemon.open_fds() as u64 - 2;
     assert!(at_rest + 8 < LIMIT, "{at_rest} descriptors at rest");
