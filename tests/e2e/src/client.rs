@@ -28,6 +28,14 @@ use crate::{
     topology::MESH_DOMAIN,
 };
 
+/// Deadline of a TCP connect: room for two lost SYNs on a lossy link (the kernel
+/// resends after 1 s and 3 s), as a mesh client with a few seconds' budget has.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(7);
+
+/// Deadline of the TLS handshake, which includes the waypoint's own dial of the pod
+/// (up to `--connect-attempts` tries of `--connect-timeout` each).
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Parses `64MiB`, `512KiB`, `1GiB` or a bare number of bytes.
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let s = s.trim();
@@ -200,12 +208,12 @@ async fn exchange(args: &ClientArgs, report: &mut Report) -> anyhow::Result<()> 
         }
         _ => rustls_pki_types::ServerName::IpAddress(target.address.ip().into()),
     };
-    let tcp = tokio::time::timeout(Duration::from_secs(3), TcpStream::connect(target.address))
+    let tcp = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(target.address))
         .await
         .with_context(|| format!("connecting to {}: timed out", target.address))?
         .with_context(|| format!("connecting to {}", target.address))?;
     let mut stream = tokio::time::timeout(
-        Duration::from_secs(5),
+        HANDSHAKE_TIMEOUT,
         TlsConnector::from(Arc::new(config)).connect(server_name, tcp),
     )
     .await
@@ -397,7 +405,7 @@ pub struct AbuseReport {
 pub async fn abuse(args: AbuseArgs) -> anyhow::Result<AbuseReport> {
     let start = Instant::now();
     let (svc, ns, port) = split_service(&args.service)?;
-    let mut tcp = tokio::time::timeout(Duration::from_secs(3), TcpStream::connect(args.target))
+    let mut tcp = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(args.target))
         .await
         .context("connect timed out")?
         .with_context(|| format!("connecting to {}", args.target))?;

@@ -378,7 +378,15 @@ fn lossy_links(w: &mut World) {
                 .timeout(Duration::from_secs(60)),
         )
         .unwrap();
-    sleep(Duration::from_secs(1));
+    // Darken only once B1 has routed the connection: a SYN lost to the 2 % drop is
+    // resent after 1 s, and one more lost to the dark link would exhaust the
+    // client's connect deadline before a byte moved.
+    wait_for(Duration::from_secs(10), || {
+        w.metrics("b1")
+            .is_ok_and(|m| m.opened() >= before.opened() + 5.0)
+    })
+    .expect("B1 routed the paced connection");
+    sleep(Duration::from_millis(500));
     w.darken("b1", true).unwrap();
     sleep(Duration::from_secs(2));
     w.darken("b1", false).unwrap();
