@@ -40,6 +40,10 @@ pub struct App {
     tracker: TaskTracker,
     /// The tunnel workers; they own the listeners.
     workers: Workers,
+    /// The admin server's task, which owns its listener: awaited at the end of the
+    /// shutdown, so that once [`App::shutdown`] returns nothing listens on the admin
+    /// address.
+    admin: tokio::task::JoinHandle<()>,
 }
 
 impl App {
@@ -176,7 +180,7 @@ impl App {
             registry: etcd_health,
             dataplane: chosen.to_string(),
         });
-        tokio::spawn(admin.serve(metrics, ready.clone(), api, kill.clone()));
+        let admin = tokio::spawn(admin.serve(metrics, ready.clone(), api, kill.clone()));
 
         // Ready: listener bound, dataplane chosen, store synced. etcd may not be reachable
         // yet: readiness then follows the first sync (liveness never waits for etcd).
@@ -211,6 +215,7 @@ impl App {
             kill,
             tracker,
             workers,
+            admin,
         })
     }
 
@@ -239,6 +244,8 @@ impl App {
         self.kill.cancel();
         self.tracker.wait().await;
         self.workers.join().await;
+        // It returns on `kill`; an error is a panic in it, already reported.
+        let _ = (&mut self.admin).await;
         info!("stopped");
     }
 }
