@@ -811,7 +811,7 @@ fn main() {
                 ..Default::default()
             }),
             "splice" => Some(Arc::new(Dataplane::Splice(Splice::default()))),
-            "copy" | "copy-nopark" => Some(Arc::new(Dataplane::Copy(UserspaceCopy))),
+            "copy" | "copy-nopark" => Some(Arc::new(Dataplane::Copy(UserspaceCopy::new()))),
             _ => unreachable!("listed above"),
         };
         let limits = Limits {

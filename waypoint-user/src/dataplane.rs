@@ -30,9 +30,10 @@ mod send_buffer;
 mod signals;
 pub mod splice;
 mod stall;
+mod tally;
 mod watch;
 
-pub use stall::{stalls, Stalls, DEFAULT_STALL_AFTER};
+pub use stall::DEFAULT_STALL_AFTER;
 
 pub(crate) use crate::sys::{queued, tcp_info, unsent_or_unacked};
 
@@ -178,7 +179,7 @@ pub enum Error {
     Io(#[from] io::Error),
 }
 
-/// Idle connections parked outside tokio (see [`park`]), process-wide.
+/// A dataplane's idle connections parked outside tokio (see [`park`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Parking {
     /// Parked now.
@@ -196,16 +197,6 @@ pub struct Parking {
 /// as a tunnel worker's, starts its own parker at its first parking.)
 pub fn start_parking() -> bool {
     park::Parker::process().is_some()
-}
-
-/// The parked connections' counts over every parker; all zero before the first parking.
-pub fn parking() -> Parking {
-    let (parked, parks, failures) = park::counts();
-    Parking {
-        parked,
-        parks,
-        failures,
-    }
 }
 
 /// The dataplane chosen at start.
@@ -226,6 +217,25 @@ impl Dataplane {
             Dataplane::Splice(_) => Kind::Splice,
             Dataplane::Copy(_) => Kind::Copy,
         }
+    }
+
+    fn tally(&self) -> &'static tally::Tally {
+        match self {
+            Dataplane::Ebpf(e) => e.tally(),
+            Dataplane::Splice(s) => s.tally(),
+            Dataplane::Copy(c) => c.tally(),
+        }
+    }
+
+    /// Connections this dataplane counted as stalled so far (see [`stall`]; each once,
+    /// and logged at warn). The eBPF dataplane's copy phase and fallback count here too.
+    pub fn stalls(&self) -> u64 {
+        self.tally().stalls()
+    }
+
+    /// This dataplane's parked connections' counts; all zero before its first parking.
+    pub fn parking(&self) -> Parking {
+        self.tally().parking()
     }
 
     /// Tells the dataplane about a listener whose accepted sockets it will forward,

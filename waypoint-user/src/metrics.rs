@@ -250,7 +250,7 @@ impl Collector for DataplaneCollector {
                 )?;
             }
         }
-        let p = crate::dataplane::parking();
+        let p = self.dataplane.parking();
         single(
             &mut encoder,
             "connections_parked",
@@ -269,9 +269,6 @@ impl Collector for DataplaneCollector {
             "Times an idle connection could not be parked and stayed in tokio",
             counter(p.failures),
         )?;
-        // The dataplane in use always shows, at 0 until a stall; another dataplane's
-        // count (the process runs one) only if it has one.
-        let mine = self.dataplane.kind();
         family(
             &mut encoder,
             "dataplane_stalls",
@@ -279,14 +276,12 @@ impl Collector for DataplaneCollector {
              inside the waypoint towards a side with an empty send queue, and no byte count \
              of either side moved for --stall-after. The eBPF dataplane's userspace copy \
              phase counts as ebpf",
-            crate::dataplane::stalls()
-                .by_dataplane()
-                .into_iter()
-                .filter(|&(kind, n)| kind == mine || n > 0)
-                .map(|(kind, n)| {
-                    let dataplane = kind.as_str();
-                    (DataplaneLabel { dataplane }, counter(n))
-                }),
+            [(
+                DataplaneLabel {
+                    dataplane: self.dataplane.kind().as_str(),
+                },
+                counter(self.dataplane.stalls()),
+            )],
         )
     }
 }

@@ -598,9 +598,12 @@ mod tests {
     async fn connect_returns_established_streams_and_errors() {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
-        let stream = connect(addr, &Dataplane::Copy(dataplane::copy::UserspaceCopy))
-            .await
-            .unwrap();
+        let stream = connect(
+            addr,
+            &Dataplane::Copy(dataplane::copy::UserspaceCopy::new()),
+        )
+        .await
+        .unwrap();
         let info = crate::sys::tcp_info(&stream).unwrap();
         assert_eq!(info.tcpi_state, dataplane::TCP_ESTABLISHED);
         // Done inside `connect(2)`: not registered with the reactor.
@@ -608,9 +611,12 @@ mod tests {
         let peer = socket2::SockRef::from(&stream).peer_addr().unwrap();
         assert_eq!(peer.as_socket(), Some(addr));
         drop(listener);
-        let refused = connect(addr, &Dataplane::Copy(dataplane::copy::UserspaceCopy))
-            .await
-            .unwrap_err();
+        let refused = connect(
+            addr,
+            &Dataplane::Copy(dataplane::copy::UserspaceCopy::new()),
+        )
+        .await
+        .unwrap_err();
         assert_eq!(refused.kind(), std::io::ErrorKind::ConnectionRefused);
     }
 
@@ -625,7 +631,7 @@ mod tests {
             .unwrap();
         socket.listen(0).unwrap();
         let addr = socket.local_addr().unwrap().as_socket().unwrap();
-        let copy = Dataplane::Copy(dataplane::copy::UserspaceCopy);
+        let copy = Dataplane::Copy(dataplane::copy::UserspaceCopy::new());
         // Fill the accept queue (backlog 0 holds one) and never accept.
         let mut held = Vec::new();
         let mut pending = None;

@@ -373,7 +373,7 @@ mod tests {
             test_router_config(),
             store,
             Arc::new(crate::dataplane::Dataplane::Copy(
-                crate::dataplane::copy::UserspaceCopy,
+                crate::dataplane::copy::UserspaceCopy::new(),
             )),
             crate::router::Metrics::new(&mut prometheus_client::registry::Registry::default()),
         ));
@@ -408,7 +408,7 @@ mod tests {
             test_router_config(),
             crate::store::Store::new(),
             Arc::new(crate::dataplane::Dataplane::Copy(
-                crate::dataplane::copy::UserspaceCopy,
+                crate::dataplane::copy::UserspaceCopy::new(),
             )),
             metrics.clone(),
         ));

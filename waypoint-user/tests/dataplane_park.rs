@@ -7,7 +7,7 @@
 //! Each on a work-stealing runtime (the process's parker and its thread) and on a
 //! single-threaded one (the runtime's own parker, as on a tunnel worker).
 //!
-//! The parker's counts are process-wide, so the tests of this binary take turns.
+//! Each test's dataplane counts its own parkings, so the tests run side by side.
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 mod common;
 
@@ -19,12 +19,11 @@ use std::{
 use tokio::{
     io::{AsyncReadExt as _, AsyncWriteExt as _},
     net::{TcpListener, TcpStream},
-    sync::Mutex,
 };
 use waypoint::dataplane::{
     copy::UserspaceCopy,
     ebpf::{self, Ebpf},
-    parking, Dataplane, End, Kind, Limits,
+    Dataplane, End, Kind, Limits,
 };
 
 const HELLO: usize = 517;
@@ -32,9 +31,6 @@ const PARK_AFTER: Duration = Duration::from_millis(20);
 const WITHIN: Duration = Duration::from_secs(10);
 /// The eBPF dataplane's threshold here: the tests below stay under it until they say so.
 const THRESHOLD: u64 = 64 * 1024;
-
-/// One test at a time (see the module comment).
-static TURN: Mutex<()> = Mutex::const_new(());
 
 macro_rules! both {
     ($($name:ident),* $(,)?) => {
@@ -73,7 +69,7 @@ both!(
 
 fn dataplane(kind: Kind) -> Arc<Dataplane> {
     match kind {
-        Kind::Copy => Arc::new(Dataplane::Copy(UserspaceCopy)),
+        Kind::Copy => Arc::new(Dataplane::Copy(UserspaceCopy::new())),
         Kind::Ebpf => {
             common::require_root();
             Arc::new(Dataplane::Ebpf(Arc::new(
@@ -110,10 +106,10 @@ async fn connected(dp: &Arc<Dataplane>, limits: Limits) -> (common::Proxy, TcpSt
 }
 
 /// Waits until `n` connections are parked and at least `parks` parkings happened.
-async fn parked(n: usize, parks: u64, what: &str) {
+async fn parked(dp: &Dataplane, n: usize, parks: u64, what: &str) {
     let deadline = Instant::now() + WITHIN;
     loop {
-        let p = parking();
+        let p = dp.parking();
         if p.parked == n && p.parks >= parks {
             return;
         }
@@ -140,26 +136,14 @@ async fn exchange(from: &mut TcpStream, to: &mut TcpStream, len: usize, seed: u6
 /// A parked connection wakes for bytes from either side, parks again, and after five
 /// rounds ends cleanly with exact counts; its slot is gone.
 async fn bytes_wake_a_parked_connection_both_ways(kind: Kind) {
-    let _turn = TURN.lock().await;
     let dp = dataplane(kind);
-    let base = parking();
     let (mut proxy, mut client, mut server) = connected(&dp, limits()).await;
     let (mut d2u, mut u2d) = (HELLO as u64, 0u64);
     for round in 0..5u64 {
-        parked(
-            base.parked + 1,
-            base.parks + 2 * round + 1,
-            "before a client write",
-        )
-        .await;
+        parked(&dp, 1, 2 * round + 1, "before a client write").await;
         exchange(&mut client, &mut server, 1000, round).await;
         d2u += 1000;
-        parked(
-            base.parked + 1,
-            base.parks + 2 * round + 2,
-            "before a server write",
-        )
-        .await;
+        parked(&dp, 1, 2 * round + 2, "before a server write").await;
         exchange(&mut server, &mut client, 3000, 100 + round).await;
         u2d += 3000;
     }
@@ -175,17 +159,15 @@ async fn bytes_wake_a_parked_connection_both_ways(kind: Kind) {
         (o.downstream_to_upstream, o.upstream_to_downstream),
         (d2u, u2d)
     );
-    parked(base.parked, 0, "after the close").await;
+    parked(&dp, 0, 0, "after the close").await;
 }
 
 /// A FIN that arrives while the connection is parked reaches the other side, which can
 /// still answer: the half-close semantics hold across the park.
 async fn fin_while_parked_is_passed_on(kind: Kind) {
-    let _turn = TURN.lock().await;
     let dp = dataplane(kind);
-    let base = parking();
     let (mut proxy, mut client, mut server) = connected(&dp, limits()).await;
-    parked(base.parked + 1, base.parks + 1, "before the FIN").await;
+    parked(&dp, 1, 1, "before the FIN").await;
     client.shutdown().await.unwrap();
     let mut got = Vec::new();
     tokio::time::timeout(WITHIN, server.read_to_end(&mut got))
@@ -204,16 +186,14 @@ async fn fin_while_parked_is_passed_on(kind: Kind) {
     let o = common::next_outcome(&mut proxy, WITHIN).await;
     assert_eq!(o.end, End::Closed);
     assert_eq!(o.upstream_to_downstream, 27);
-    parked(base.parked, 0, "after the close").await;
+    parked(&dp, 0, 0, "after the close").await;
 }
 
 /// A reset from the client while parked aborts the server's side.
 async fn reset_while_parked_aborts_the_other_side(kind: Kind) {
-    let _turn = TURN.lock().await;
     let dp = dataplane(kind);
-    let base = parking();
     let (mut proxy, client, mut server) = connected(&dp, limits()).await;
-    parked(base.parked + 1, base.parks + 1, "before the reset").await;
+    parked(&dp, 1, 1, "before the reset").await;
     socket2::SockRef::from(&client)
         .set_linger(Some(Duration::ZERO))
         .unwrap();
@@ -228,18 +208,16 @@ async fn reset_while_parked_aborts_the_other_side(kind: Kind) {
     );
     let o = common::next_outcome(&mut proxy, WITHIN).await;
     assert_eq!(o.end, End::DownstreamReset);
-    parked(base.parked, 0, "after the reset").await;
+    parked(&dp, 0, 0, "after the reset").await;
 }
 
 /// A parked connection with `limits` closes with `end`, `after` the accept give or take
 /// two park cadences, though nothing wakes it but its deadline; both ends see the close.
 async fn closes_while_parked(kind: Kind, limits: Limits, end: End, after: Duration) {
-    let _turn = TURN.lock().await;
     let dp = dataplane(kind);
-    let base = parking();
     let started = Instant::now();
     let (mut proxy, mut client, mut server) = connected(&dp, limits).await;
-    parked(base.parked + 1, base.parks + 1, "while idle").await;
+    parked(&dp, 1, 1, "while idle").await;
     let o = common::next_outcome(&mut proxy, WITHIN).await;
     let took = started.elapsed();
     assert_eq!(o.end, end);
@@ -252,7 +230,7 @@ async fn closes_while_parked(kind: Kind, limits: Limits, end: End, after: Durati
     let mut buf = Vec::new();
     let _ = client.read_to_end(&mut buf).await;
     let _ = server.read_to_end(&mut buf).await;
-    parked(base.parked, 0, "after the close").await;
+    parked(&dp, 0, 0, "after the close").await;
 }
 
 /// The idle timeout of a parked connection is kept by the parker.
@@ -279,9 +257,7 @@ async fn lifetime_closes_a_parked_connection(kind: Kind) {
 /// slot back and closes both sockets.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_parked_connection_frees_its_slot() {
-    let _turn = TURN.lock().await;
     let dp = dataplane(Kind::Copy);
-    let base = parking();
     let server = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let front = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let mut client = TcpStream::connect(front.local_addr().unwrap())
@@ -301,10 +277,10 @@ async fn a_dropped_parked_connection_frees_its_slot() {
     });
     let mut hi = [0u8; 2];
     s.read_exact(&mut hi).await.unwrap();
-    parked(base.parked + 1, base.parks + 1, "before the drop").await;
+    parked(&dp, 1, 1, "before the drop").await;
     task.abort();
     assert!(task.await.unwrap_err().is_cancelled());
-    parked(base.parked, 0, "after the drop").await;
+    parked(&dp, 0, 0, "after the drop").await;
     let mut buf = Vec::new();
     let r = tokio::time::timeout(WITHIN, client.read_to_end(&mut buf)).await;
     assert!(r.is_ok(), "the client's socket was not closed");
@@ -316,14 +292,12 @@ async fn a_dropped_parked_connection_frees_its_slot() {
 /// moves into the kernel as usual, with every byte intact.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_parked_connection_still_moves_into_the_kernel() {
-    let _turn = TURN.lock().await;
     let dp = dataplane(Kind::Ebpf);
     let Dataplane::Ebpf(e) = &*dp else {
         unreachable!()
     };
-    let base = parking();
     let (mut proxy, mut client, mut server) = connected(&dp, limits()).await;
-    parked(base.parked + 1, base.parks + 1, "before streaming").await;
+    parked(&dp, 1, 1, "before streaming").await;
     const LEN: usize = 4 << 20;
     let writer = tokio::spawn(async move {
         let mut buf = vec![0u8; LEN];
@@ -352,5 +326,5 @@ async fn a_parked_connection_still_moves_into_the_kernel() {
         "the connection should have moved into the kernel"
     );
     assert_eq!(e.fallbacks(), 0);
-    parked(base.parked, 0, "after the close").await;
+    parked(&dp, 0, 0, "after the close").await;
 }

@@ -3,8 +3,9 @@
 //! `waypoint_dataplane_stalls_total{dataplane}` and logged once; backpressure from a
 //! reader that stopped is not a stall.
 //!
-//! The stall counts are process-wide, so the tests run one at a time (a lock serialises
-//! them) and compare counts before and after. Needs root (eBPF).
+//! Each test's dataplane counts its own stalls; the log they read is the process's, so
+//! the tests run one at a time (a lock serialises them) and compare its lines before and
+//! after. Needs root (eBPF).
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 
 mod common;
@@ -19,7 +20,7 @@ use tokio::{
     io::{AsyncReadExt as _, AsyncWriteExt as _},
     net::{TcpListener, TcpStream},
 };
-use waypoint::dataplane::{ebpf, stalls, Dataplane, End, Kind, Limits};
+use waypoint::dataplane::{ebpf, Dataplane, End, Kind, Limits};
 use waypoint_common::Stat;
 
 const HELLO: usize = 517;
@@ -89,10 +90,6 @@ fn stall_lines() -> Vec<String> {
         .collect()
 }
 
-fn ebpf_stalls() -> u64 {
-    stalls().ebpf
-}
-
 /// Bytes queued on `sock` for reading (SIOCINQ).
 fn queued(sock: &impl std::os::fd::AsRawFd) -> usize {
     let mut n: libc::c_int = 0;
@@ -129,7 +126,6 @@ async fn stranded_bytes() {
     })
     .unwrap();
     let dp = Arc::new(Dataplane::Ebpf(Arc::new(e)));
-    let stalls_before = ebpf_stalls();
     let lines_before = stall_lines().len();
     let front = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let back = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -184,7 +180,7 @@ async fn stranded_bytes() {
     );
 
     let counted = Instant::now();
-    while ebpf_stalls() == stalls_before {
+    while dp.stalls() == 0 {
         assert!(
             counted.elapsed() < WINDOW * 4,
             "the stall was not counted within {:?}",
@@ -194,7 +190,7 @@ async fn stranded_bytes() {
     }
     // Three more windows: still counted once, logged once.
     tokio::time::sleep(WINDOW * 3).await;
-    assert_eq!(ebpf_stalls(), stalls_before + 1, "counted once");
+    assert_eq!(dp.stalls(), 1, "counted once");
     let lines = stall_lines();
     assert_eq!(lines.len(), lines_before + 1, "logged once: {lines:#?}");
     let line = &lines[lines_before];
@@ -261,10 +257,9 @@ async fn backpressure(dp: Arc<Dataplane>) {
     const TOTAL: u64 = 128 << 20;
     const READ_FIRST: usize = 4 << 20;
     const SEED: u64 = 33;
-    let before = stalls();
     let lines_before = stall_lines().len();
     let server = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let mut proxy = common::proxy(dp, server.local_addr().unwrap(), HELLO, limits()).await;
+    let mut proxy = common::proxy(dp.clone(), server.local_addr().unwrap(), HELLO, limits()).await;
     let mut client = TcpStream::connect(proxy.addr).await.unwrap();
     client.write_all(&[7u8; HELLO]).await.unwrap();
     let (mut pod, _) = server.accept().await.unwrap();
@@ -289,7 +284,7 @@ async fn backpressure(dp: Arc<Dataplane>) {
     // The reader stops; everything between it and the client fills up and goes still.
     tokio::time::sleep(WINDOW * 4).await;
     assert!(!writer.is_finished(), "the client was never held back");
-    assert_eq!(stalls(), before, "backpressure counted as a stall");
+    assert_eq!(dp.stalls(), 0, "backpressure counted as a stall");
     assert_eq!(
         stall_lines().len(),
         lines_before,
@@ -306,5 +301,5 @@ async fn backpressure(dp: Arc<Dataplane>) {
     client_r.read_to_end(&mut none).await.unwrap();
     let outcome = common::next_outcome(&mut proxy, Duration::from_secs(10)).await;
     assert_eq!(outcome.end, End::Closed);
-    assert_eq!(stalls(), before, "counted as a stall at the end");
+    assert_eq!(dp.stalls(), 0, "counted as a stall at the end");
 }

@@ -108,7 +108,7 @@ pub fn choose(
             source,
         })?)),
         Kind::Splice => asked((Dataplane::Splice(Splice::new(pipe_size)), "splice")),
-        Kind::Copy => asked((Dataplane::Copy(UserspaceCopy), "copy")),
+        Kind::Copy => asked((Dataplane::Copy(UserspaceCopy::new()), "copy")),
         Kind::Auto => probe(config, pipe_size, ebpf),
     };
     match &chosen.refusal {

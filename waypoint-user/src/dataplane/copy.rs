@@ -35,6 +35,7 @@ use super::{
     park::{Parked, Parker},
     shutdown_write,
     stall::Watchdog,
+    tally::Tally,
     DirEnd, End, Kind, Limits, Outcome,
 };
 
@@ -47,11 +48,30 @@ const BUF_SIZE: usize = 64 * 1024;
 /// touched, was most of the memory of an idle copied connection).
 const SMALL_READ: usize = 4096;
 
-/// The userspace copy dataplane. Stateless.
-#[derive(Clone, Debug, Default)]
-pub struct UserspaceCopy;
+/// The userspace copy dataplane. It keeps only its counts.
+#[derive(Clone, Debug)]
+pub struct UserspaceCopy {
+    tally: &'static Tally,
+}
+
+impl Default for UserspaceCopy {
+    fn default() -> Self {
+        UserspaceCopy::new()
+    }
+}
 
 impl UserspaceCopy {
+    /// A copy dataplane with counts of its own.
+    pub fn new() -> Self {
+        UserspaceCopy {
+            tally: Tally::leak(Kind::Copy),
+        }
+    }
+
+    pub(super) fn tally(&self) -> &'static Tally {
+        self.tally
+    }
+
     /// See [`super::Dataplane::forward`].
     pub fn forward(
         &self,
@@ -60,22 +80,22 @@ impl UserspaceCopy {
         initial: Vec<u8>,
         limits: Limits,
     ) -> impl Future<Output = io::Result<Outcome>> + Send + 'static {
-        to_end(downstream, upstream, initial, limits, Kind::Copy).map(Ok)
+        to_end(downstream, upstream, initial, limits, self.tally).map(Ok)
     }
 }
 
-/// Copies a connection to its end; a stall is counted as `dataplane`'s (the eBPF
+/// Copies a connection to its end, counting its stall and parkings in `tally` (the eBPF
 /// dataplane's userspace fallback runs here too).
 pub(crate) fn to_end(
     downstream: TcpStream,
     upstream: TcpStream,
     initial: Vec<u8>,
     limits: Limits,
-    dataplane: Kind,
+    tally: &'static Tally,
 ) -> impl Future<Output = Outcome> + Send + 'static {
     // A combinator, not an `async` block, which would keep the arguments it moved into
     // the copy for the connection's whole life.
-    copy(downstream, upstream, initial, limits, NEVER, dataplane).map(|(copied, (d2u, u2d))| {
+    copy(downstream, upstream, initial, limits, NEVER, tally).map(|(copied, (d2u, u2d))| {
         let end = match copied {
             Copied::Ended(end) => end,
             // Cannot happen: no connection carries `NEVER` bytes.
@@ -98,8 +118,9 @@ pub(super) fn to_end_gated<'a>(
     initial: [Vec<u8>; 2],
     limits: Limits,
     gate: Option<Gate<'a>>,
+    tally: &'static Tally,
 ) -> impl Future<Output = Outcome> + Send + 'a {
-    let progress = Progress::start(limits, Kind::Ebpf);
+    let progress = Progress::start(limits, tally);
     let phase = CopyPhase {
         phase: Phase::Copying {
             down: downstream,
@@ -195,16 +216,16 @@ enum Phase {
     Done,
 }
 
-/// See [`CopyPhase`]. A stall is counted as `dataplane`'s.
+/// See [`CopyPhase`]. A stall and parkings are counted in `tally`.
 pub(crate) fn copy(
     down: TcpStream,
     up: TcpStream,
     initial: Vec<u8>,
     limits: Limits,
     move_after: u64,
-    dataplane: Kind,
+    tally: &'static Tally,
 ) -> CopyPhase<'static> {
-    let progress = Progress::start(limits, dataplane);
+    let progress = Progress::start(limits, tally);
     CopyPhase {
         phase: Phase::Copying {
             down,
@@ -247,7 +268,7 @@ impl Future for CopyPhase<'_> {
                         }
                         Stop::Park => {}
                     }
-                    match park(down, up, progress.deadline(this.limits)) {
+                    match park(down, up, progress.deadline(this.limits), progress.tally) {
                         Ok(parked) => this.phase = Phase::Parked { parked, progress },
                         Err(Unparked::Back(down, up)) => {
                             // Counted and logged in `park`: this connection stays in tokio.
@@ -302,8 +323,13 @@ enum Unparked {
 }
 
 /// Takes a connection's sockets out of tokio's reactor and parks them until one turns
-/// readable or hangs up, or `deadline` falls due.
-fn park(down: TcpStream, up: TcpStream, deadline: Option<Instant>) -> Result<Parked, Unparked> {
+/// readable or hangs up, or `deadline` falls due; counted in `tally`.
+fn park(
+    down: TcpStream,
+    up: TcpStream,
+    deadline: Option<Instant>,
+    tally: &'static Tally,
+) -> Result<Parked, Unparked> {
     let Some(parker) = Parker::get() else {
         return Err(Unparked::Back(down, up));
     };
@@ -315,7 +341,7 @@ fn park(down: TcpStream, up: TcpStream, deadline: Option<Instant>) -> Result<Par
             return Err(Unparked::Lost(e));
         }
     };
-    match parker.park([down, up], deadline.map(Instant::into_std)) {
+    match parker.park([down, up], deadline.map(Instant::into_std), tally) {
         Ok(parked) => Ok(parked),
         Err((e, [down, up])) => {
             debug!(error = %e, "connection not parked");
@@ -386,22 +412,22 @@ pub(crate) struct Progress {
     lifetime_end: Option<Instant>,
     /// Handed on from a parked connection.
     resumed: bool,
-    /// Which dataplane's counter a stall goes to.
-    dataplane: Kind,
+    /// Where a stall and parkings are counted.
+    tally: &'static Tally,
     /// The stall watchdog counted the connection already: it is counted once.
     stalled: bool,
 }
 
 impl Progress {
     /// A connection starting now.
-    pub(crate) fn start(limits: Limits, dataplane: Kind) -> Progress {
+    pub(crate) fn start(limits: Limits, tally: &'static Tally) -> Progress {
         let now = Instant::now();
         Progress {
             moved: [0; 2],
             last_change: now,
             lifetime_end: limits.max_lifetime.map(|l| now + l),
             resumed: false,
-            dataplane,
+            tally,
             stalled: false,
         }
     }
@@ -631,7 +657,7 @@ impl Copier {
             [initial, Vec::new()],
             limits,
             move_after,
-            Progress::start(limits, Kind::Copy),
+            Progress::start(limits, Tally::leak(Kind::Copy)),
         )
     }
 
@@ -678,7 +704,7 @@ impl Copier {
             lifetime_end: progress.lifetime_end,
             last_progress: progress.moved[0] + progress.moved[1],
             last_change: progress.last_change,
-            watchdog: Watchdog::resume(progress.dataplane, limits.stall_after, progress.stalled),
+            watchdog: Watchdog::resume(progress.tally, limits.stall_after, progress.stalled),
             timer: tokio::time::sleep_until(first_fire),
         }
     }
@@ -697,7 +723,7 @@ impl Copier {
             last_change: self.last_change,
             lifetime_end: self.lifetime_end,
             resumed: true,
-            dataplane: self.watchdog.dataplane(),
+            tally: self.watchdog.tally(),
             stalled: self.watchdog.fired(),
         }
     }
@@ -1035,6 +1061,7 @@ mod tests {
             [Vec::new(), b"hi!".to_vec()],
             Limits::default(),
             Some(gate),
+            Tally::leak(Kind::Ebpf),
         ));
         let sent = pattern(SENT);
         pod.write_all(&sent).await.unwrap();

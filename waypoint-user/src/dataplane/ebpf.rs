@@ -54,7 +54,8 @@ use super::flows::{self, FlowTable};
 use super::links;
 use super::rewrite::{self, Rewriter};
 use super::signals::{self, Signals};
-use super::{btf, End, Limits, Outcome, Socket};
+use super::tally::Tally;
+use super::{btf, End, Kind, Limits, Outcome, Socket};
 
 /// The eBPF object built by waypoint-user's build script from waypoint-ebpf.
 pub(super) static OBJECT: &[u8] =
@@ -274,6 +275,8 @@ pub struct Ebpf {
     signals: Arc<Signals>,
     fallbacks: AtomicU64,
     handovers: AtomicU64,
+    /// Stalls and parkings of its connections (the copy phase's and the fallback's too).
+    tally: &'static Tally,
     /// The rewrite splice, with `rewrite_splice`.
     rewrite: Option<Arc<Rewriter>>,
     /// The rewrite program's attachments to the interfaces, with `rewrite_splice`.
@@ -608,6 +611,7 @@ impl Ebpf {
             signals,
             fallbacks: AtomicU64::new(0),
             handovers: AtomicU64::new(0),
+            tally: Tally::leak(Kind::Ebpf),
             rewrite,
             links,
             _loaded: loaded,
@@ -617,6 +621,10 @@ impl Ebpf {
     /// The settings in force.
     pub fn config(&self) -> &Config {
         &self.config
+    }
+
+    pub(super) fn tally(&self) -> &'static Tally {
+        self.tally
     }
 
     /// Whether the verdict cuts bytes that segments repeat (see [`Ebpf::load`]).

@@ -23,7 +23,7 @@
 use std::{
     cell::RefCell,
     os::fd::{AsRawFd, RawFd},
-    sync::{atomic::AtomicBool, atomic::AtomicUsize, Arc},
+    sync::{atomic::AtomicBool, Arc},
 };
 use std::{
     collections::BTreeSet,
@@ -32,10 +32,7 @@ use std::{
     net::TcpStream,
     os::fd::AsFd,
     pin::Pin,
-    sync::{
-        atomic::{AtomicU64, Ordering::Relaxed},
-        Mutex, MutexGuard, OnceLock,
-    },
+    sync::{atomic::Ordering::Relaxed, Mutex, MutexGuard, OnceLock},
     task::{Context, Poll, Waker},
     time::Instant,
 };
@@ -49,6 +46,8 @@ use nix::{
 };
 use slab::Slab;
 use tracing::{debug, warn};
+
+use super::tally::Tally;
 
 /// Epoll data of the eventfd that interrupts the thread's wait (a parked connection's
 /// data is its slot key and generation, never all ones).
@@ -77,12 +76,6 @@ pub(crate) enum Error {
     #[error("starting the parker: {0}")]
     Thread(#[from] io::Error),
 }
-
-/// Connections parked now, parkings so far and parkings that failed, over every parker
-/// of the process.
-static PARKED: AtomicUsize = AtomicUsize::new(0);
-static PARKS: AtomicU64 = AtomicU64::new(0);
-static FAILURES: AtomicU64 = AtomicU64::new(0);
 
 /// Parked connections and what watches them: a thread (the process's parker) or a task
 /// on a single-threaded runtime (that runtime's parker).
@@ -152,16 +145,6 @@ fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
 
 fn data(key: usize, gen: u32) -> u64 {
     (u64::from(gen) << 32) | (key as u64 & 0xffff_ffff)
-}
-
-/// Connections parked now, parkings so far, and parkings that failed (the connection
-/// then stayed in tokio), over every parker of the process.
-pub(crate) fn counts() -> (usize, u64, u64) {
-    (
-        PARKED.load(Relaxed),
-        PARKS.load(Relaxed),
-        FAILURES.load(Relaxed),
-    )
 }
 
 /// The epoll set of a runtime's parker, as its reactor sees it.
@@ -285,23 +268,37 @@ impl Parker {
         });
     }
 
-    /// Parks `socks` until either turns readable or hangs up, or until `deadline`.
-    /// On error the sockets come back, not parked.
+    /// Parks `socks` until either turns readable or hangs up, or until `deadline`,
+    /// counted in `tally` (the dataplane's). On error the sockets come back, not parked.
     pub(crate) fn park(
         self: &Arc<Self>,
         socks: [TcpStream; 2],
         deadline: Option<Instant>,
+        tally: &'static Tally,
     ) -> Result<Parked, (io::Error, [TcpStream; 2])> {
-        self.try_park(socks, deadline).inspect_err(|_| {
-            FAILURES.fetch_add(1, Relaxed);
-        })
+        match self.try_park(socks, deadline) {
+            Ok((key, socks)) => {
+                tally.parked();
+                Ok(Parked {
+                    parker: self.clone(),
+                    key,
+                    socks: Some(socks),
+                    tally,
+                })
+            }
+            Err(e) => {
+                tally.park_failed();
+                Err(e)
+            }
+        }
     }
 
+    /// Adds `socks` to the epoll set in a new slot: its key.
     fn try_park(
-        self: &Arc<Self>,
+        &self,
         socks: [TcpStream; 2],
         deadline: Option<Instant>,
-    ) -> Result<Parked, (io::Error, [TcpStream; 2])> {
+    ) -> Result<(usize, [TcpStream; 2]), (io::Error, [TcpStream; 2])> {
         let (key, gen) = {
             let mut st = lock(&self.state);
             if !self.driven.load(Relaxed) {
@@ -344,13 +341,7 @@ impl Parker {
                 return Err((e.into(), socks));
             }
         }
-        PARKS.fetch_add(1, Relaxed);
-        PARKED.fetch_add(1, Relaxed);
-        Ok(Parked {
-            parker: self.clone(),
-            key,
-            socks: Some(socks),
-        })
+        Ok((key, socks))
     }
 
     /// Takes the sockets out of the epoll set and frees the slot.
@@ -360,7 +351,6 @@ impl Parker {
             let _ = self.epoll.delete(s.as_fd());
         }
         lock(&self.state).remove(key);
-        PARKED.fetch_sub(1, Relaxed);
     }
 
     /// The earliest deadline, which the next wait must end at.
@@ -480,6 +470,15 @@ pub(crate) struct Parked {
     parker: Arc<Parker>,
     key: usize,
     socks: Option<[TcpStream; 2]>,
+    /// The dataplane's counts, which hold this connection as parked until it leaves.
+    tally: &'static Tally,
+}
+
+impl Parked {
+    fn leave(&self, socks: &[TcpStream; 2]) {
+        self.parker.unpark(self.key, socks);
+        self.tally.unparked();
+    }
 }
 
 impl Future for Parked {
@@ -505,7 +504,7 @@ impl Future for Parked {
         let Some(socks) = self.socks.take() else {
             return Poll::Pending;
         };
-        self.parker.unpark(self.key, &socks);
+        self.leave(&socks);
         Poll::Ready((woken, socks))
     }
 }
@@ -513,7 +512,7 @@ impl Future for Parked {
 impl Drop for Parked {
     fn drop(&mut self) {
         if let Some(socks) = &self.socks {
-            self.parker.unpark(self.key, socks);
+            self.leave(socks);
         }
     }
 }
@@ -522,6 +521,7 @@ impl Drop for Parked {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
     use super::*;
+    use crate::dataplane::{Kind, Parking};
 
     /// A single-threaded runtime gets its own parker, the same one for every call on
     /// it, and a new one once that runtime is gone; a work-stealing runtime gets the
@@ -548,13 +548,20 @@ mod tests {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let (s, _) = l.accept().unwrap();
-        let failures = counts().2;
-        let Err((e, back)) = first.park([c, s], None) else {
+        let tally = Tally::leak(Kind::Copy);
+        let Err((e, back)) = first.park([c, s], None, tally) else {
             panic!("parked on a parker nothing drives");
         };
         assert!(e.to_string().contains("not running"), "{e}");
         assert_eq!(back.len(), 2);
-        assert!(counts().2 > failures);
+        assert_eq!(
+            tally.parking(),
+            Parking {
+                parked: 0,
+                parks: 0,
+                failures: 1
+            }
+        );
         let next = one().block_on(async { Parker::get().unwrap() });
         assert!(!Arc::ptr_eq(&first, &next));
 
@@ -586,18 +593,24 @@ mod tests {
                 (c, s)
             };
             let parker = Parker::get().unwrap();
+            let tally = Tally::leak(Kind::Copy);
             let ((mut c1, s1), (c2, s2)) = (pair(), pair());
-            let parked = parker.park([s1, s2], None).map_err(|(e, _)| e).unwrap();
+            let parked = parker
+                .park([s1, s2], None, tally)
+                .map_err(|(e, _)| e)
+                .unwrap();
+            assert_eq!((tally.parking().parked, tally.parking().parks), (1, 1));
             c1.write_all(b"x").unwrap();
             let (why, _socks) = tokio::time::timeout(std::time::Duration::from_secs(5), parked)
                 .await
                 .expect("a byte did not wake the parked connection");
             assert_eq!(why, Wake::Ready);
+            assert_eq!((tally.parking().parked, tally.parking().parks), (0, 1));
 
             let ((_c3, s3), (_c4, s4)) = (pair(), pair());
             let deadline = Instant::now() + std::time::Duration::from_millis(50);
             let parked = parker
-                .park([s3, s4], Some(deadline))
+                .park([s3, s4], Some(deadline), tally)
                 .map_err(|(e, _)| e)
                 .unwrap();
             let (why, _socks) = tokio::time::timeout(std::time::Duration::from_secs(5), parked)
@@ -605,6 +618,22 @@ mod tests {
                 .expect("the deadline did not wake the parked connection");
             assert_eq!(why, Wake::Deadline);
             assert!(Instant::now() >= deadline);
+            let ((_c5, s5), (_c6, s6)) = (pair(), pair());
+            let parked = parker
+                .park([s5, s6], None, tally)
+                .map_err(|(e, _)| e)
+                .unwrap();
+            assert_eq!(tally.parking().parked, 1);
+            // A connection dropped while parked (its task ended) leaves the count too.
+            drop(parked);
+            assert_eq!(
+                tally.parking(),
+                Parking {
+                    parked: 0,
+                    parks: 3,
+                    failures: 0
+                }
+            );
             drop(c2);
         });
     }

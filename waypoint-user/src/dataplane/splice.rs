@@ -14,7 +14,7 @@ use tokio::{io::Interest, net::TcpStream};
 
 use super::{
     classify_read_error, classify_write_error, copy::write_all, drive, shutdown_write,
-    stall::Watchdog, DirEnd, Kind, Limits, Outcome,
+    stall::Watchdog, tally::Tally, DirEnd, Kind, Limits, Outcome,
 };
 
 /// Default pipe capacity per direction. The kernel default (64 KiB) caps each splice
@@ -25,6 +25,7 @@ pub const DEFAULT_PIPE_SIZE: usize = 1024 * 1024;
 #[derive(Clone, Debug)]
 pub struct Splice {
     pipe_size: usize,
+    tally: &'static Tally,
 }
 
 impl Default for Splice {
@@ -37,7 +38,14 @@ impl Splice {
     /// A splice dataplane whose pipes hold `pipe_size` bytes (the kernel may round up, or
     /// refuse above /proc/sys/fs/pipe-max-size, in which case the default size is kept).
     pub fn new(pipe_size: usize) -> Self {
-        Splice { pipe_size }
+        Splice {
+            pipe_size,
+            tally: Tally::leak(Kind::Splice),
+        }
+    }
+
+    pub(super) fn tally(&self) -> &'static Tally {
+        self.tally
     }
 
     /// See [`super::Dataplane::forward`].
@@ -62,7 +70,7 @@ impl Splice {
             pump(&downstream, &upstream, &d2u_pipe, &d2u).await
         });
         let up_to_down = pin!(pump(&upstream, &downstream, &u2d_pipe, &u2d));
-        let mut watchdog = Watchdog::new(Kind::Splice, limits.stall_after);
+        let mut watchdog = Watchdog::new(self.tally, limits.stall_after);
         let end = drive(
             &downstream,
             &upstream,

@@ -24,64 +24,21 @@
 use std::{
     fmt,
     os::fd::AsFd,
-    sync::atomic::{AtomicU64, Ordering::Relaxed},
     time::{Duration, Instant},
 };
 
 use tracing::warn;
 
-use super::{flows::FlowCell, queued, tcp_info, unsent_or_unacked, Carried, Kind};
+use super::{flows::FlowCell, queued, tally::Tally, tcp_info, unsent_or_unacked, Carried};
 
 /// Default for [`super::Limits::stall_after`].
 pub const DEFAULT_STALL_AFTER: Duration = Duration::from_secs(10);
 
-/// Stalled connections so far, process-wide: eBPF, splice, copy.
-static STALLS: [AtomicU64; 3] = [const { AtomicU64::new(0) }; 3];
-
-fn index(kind: Kind) -> Option<usize> {
-    match kind {
-        Kind::Ebpf => Some(0),
-        Kind::Splice => Some(1),
-        Kind::Copy => Some(2),
-        // Never forwards a connection: `auto` resolves to one of the others at start.
-        Kind::Auto => None,
-    }
-}
-
-/// Connections counted as stalled so far, by the dataplane that carried them (the eBPF
-/// dataplane's copy phase and its userspace fallback count as `ebpf`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Stalls {
-    /// The eBPF dataplane.
-    pub ebpf: u64,
-    /// The splice dataplane.
-    pub splice: u64,
-    /// The copy dataplane.
-    pub copy: u64,
-}
-
-impl Stalls {
-    /// The counts with the dataplane each belongs to.
-    pub fn by_dataplane(&self) -> [(Kind, u64); 3] {
-        [
-            (Kind::Ebpf, self.ebpf),
-            (Kind::Splice, self.splice),
-            (Kind::Copy, self.copy),
-        ]
-    }
-}
-
-/// The stalled connections counted so far, over the whole process.
-pub fn stalls() -> Stalls {
-    let [ebpf, splice, copy] = STALLS.each_ref().map(|c| c.load(Relaxed));
-    Stalls { ebpf, splice, copy }
-}
-
 /// One connection's watchdog. Fed at the connection's idle checks ([`Watchdog::check`]).
 #[derive(Debug)]
 pub(super) struct Watchdog {
-    /// Which counter a stall goes to.
-    dataplane: Kind,
+    /// Where a stall is counted.
+    tally: &'static Tally,
     /// The window; None: off (disabled, or this connection was counted already).
     after: Option<Duration>,
     /// When `counts` was first seen; None: the daemon moved bytes at the last check.
@@ -96,16 +53,16 @@ pub(super) struct Watchdog {
 }
 
 impl Watchdog {
-    /// A watchdog counting into `dataplane`'s counter; `after` None: off.
-    pub(super) fn new(dataplane: Kind, after: Option<Duration>) -> Watchdog {
-        Watchdog::resume(dataplane, after, false)
+    /// A watchdog counting into `tally`; `after` None: off.
+    pub(super) fn new(tally: &'static Tally, after: Option<Duration>) -> Watchdog {
+        Watchdog::resume(tally, after, false)
     }
 
     /// A connection's watchdog in a new phase (the copy resumed after parking): off if
     /// it `fired` already.
-    pub(super) fn resume(dataplane: Kind, after: Option<Duration>, fired: bool) -> Watchdog {
+    pub(super) fn resume(tally: &'static Tally, after: Option<Duration>, fired: bool) -> Watchdog {
         Watchdog {
-            dataplane,
+            tally,
             after: after.filter(|_| !fired),
             since: None,
             counts: 0,
@@ -114,9 +71,9 @@ impl Watchdog {
         }
     }
 
-    /// The dataplane a stall is counted for.
-    pub(super) fn dataplane(&self) -> Kind {
-        self.dataplane
+    /// Where a stall is counted.
+    pub(super) fn tally(&self) -> &'static Tally {
+        self.tally
     }
 
     /// Whether this connection was counted as stalled (its watchdog is off since).
@@ -183,9 +140,7 @@ impl Watchdog {
         }
         self.after = None;
         self.fired = true;
-        if let Some(i) = index(self.dataplane) {
-            STALLS[i].fetch_add(1, Relaxed);
-        }
+        self.tally.stalled();
         // SIOCINQ too, for the log only: once per connection.
         let side = |info: &libc::tcp_info, outq, inq: std::io::Result<usize>| SocketState {
             info: *info,
@@ -195,7 +150,7 @@ impl Watchdog {
         let [d2u_flow, u2d_flow] =
             flows.map_or([None, None], |f| f.map(|f| Some(f.state().to_string())));
         warn!(
-            dataplane = self.dataplane.as_str(),
+            dataplane = self.tally.kind().as_str(),
             still_ms = u64::try_from(still.as_millis()).unwrap_or(u64::MAX),
             d2u_held,
             u2d_held,
@@ -246,6 +201,7 @@ mod tests {
     use std::net::{TcpListener, TcpStream};
 
     use super::*;
+    use crate::dataplane::Kind;
 
     /// A connected pair: (the peer's end, the waypoint's end).
     fn pair() -> (TcpStream, TcpStream) {
@@ -277,7 +233,8 @@ mod tests {
         client.write_all(&[1u8; 1000]).unwrap();
         // Wait for the bytes to land and be acknowledged, so the counts are still.
         std::thread::sleep(Duration::from_millis(50));
-        let mut w = Watchdog::new(Kind::Copy, Some(Duration::from_secs(1)));
+        let tally = Tally::leak(Kind::Copy);
+        let mut w = Watchdog::new(tally, Some(Duration::from_secs(1)));
         let tick = Duration::from_millis(500);
         let start = Instant::now();
         assert!(!w.check(start, false, &down, &up, None), "first look");
@@ -291,6 +248,7 @@ mod tests {
         );
         assert!(w.fired());
         assert!(!run(&mut w, &down, &up, tick, 8), "counted once");
+        assert_eq!(tally.stalls(), 1);
     }
 
     /// The daemon moving bytes restarts the window: no stall while it does.
@@ -300,7 +258,7 @@ mod tests {
         let (up, _pod) = pair();
         client.write_all(&[1u8; 1000]).unwrap();
         std::thread::sleep(Duration::from_millis(50));
-        let mut w = Watchdog::new(Kind::Copy, Some(Duration::from_secs(1)));
+        let mut w = Watchdog::new(Tally::leak(Kind::Copy), Some(Duration::from_secs(1)));
         let start = Instant::now();
         let tick = Duration::from_millis(500);
         for k in 0..8 {
@@ -316,7 +274,7 @@ mod tests {
     fn idle_and_backpressure_are_not_stalls() {
         let (_client, down) = pair();
         let (up, _pod) = pair();
-        let mut w = Watchdog::new(Kind::Copy, Some(Duration::from_secs(1)));
+        let mut w = Watchdog::new(Tally::leak(Kind::Copy), Some(Duration::from_secs(1)));
         assert!(
             !run(&mut w, &down, &up, Duration::from_millis(500), 8),
             "idle"
@@ -339,7 +297,7 @@ mod tests {
         }
         while client.write(&buf).is_ok() {}
         std::thread::sleep(Duration::from_millis(50));
-        let mut w = Watchdog::new(Kind::Copy, Some(Duration::from_secs(1)));
+        let mut w = Watchdog::new(Tally::leak(Kind::Copy), Some(Duration::from_secs(1)));
         assert!(
             !run(&mut w, &down, &up, Duration::from_millis(500), 8),
             "backpressure"
@@ -353,7 +311,7 @@ mod tests {
         let (up, _pod) = pair();
         client.write_all(&[1u8; 1000]).unwrap();
         std::thread::sleep(Duration::from_millis(50));
-        let mut w = Watchdog::new(Kind::Copy, None);
+        let mut w = Watchdog::new(Tally::leak(Kind::Copy), None);
         assert!(!run(&mut w, &down, &up, Duration::from_secs(5), 8));
     }
 }

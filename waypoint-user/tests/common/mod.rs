@@ -42,7 +42,7 @@ pub fn dataplane(kind: Kind) -> Arc<Dataplane> {
     match kind {
         Kind::Ebpf => ebpf(),
         Kind::Splice => Arc::new(Dataplane::Splice(Splice::default())),
-        Kind::Copy => Arc::new(Dataplane::Copy(UserspaceCopy)),
+        Kind::Copy => Arc::new(Dataplane::Copy(UserspaceCopy::new())),
         Kind::Auto => unreachable!("tests name a concrete dataplane"),
     }
 }

@@ -35,7 +35,7 @@ use crate::dataplane::{
     copy::{self, copy, Copied},
     drive, fin_sent, queued, read_now, resets_on_close, shutdown_write,
     stall::Watchdog,
-    tcp_info, unsent_or_unacked, write_all_now, End, Kind, Limits, Outcome, TCP_CLOSE,
+    tcp_info, unsent_or_unacked, write_all_now, End, Limits, Outcome, TCP_CLOSE,
 };
 
 use super::direction::Direction;
@@ -98,7 +98,7 @@ impl Ebpf {
             initial,
             limits,
             self.config.splice_after,
-            Kind::Ebpf,
+            self.tally,
         );
         Either::Right(copy.then(move |(copied, (d2u, u2d))| match copied {
             Copied::Move { down, up, stalled } => Either::Left(Box::pin(async move {
@@ -234,7 +234,8 @@ impl Ebpf {
                     .map_or("neither", |g| ["downstream", "upstream"][g.side]),
                 "sockets could not enter the SockHash: forwarding in userspace"
             );
-            let outcome = copy::to_end_gated(downstream, upstream, initial, limits, gate).await;
+            let outcome =
+                copy::to_end_gated(downstream, upstream, initial, limits, gate, self.tally).await;
             drop(reg);
             return Ok(outcome);
         };
@@ -299,7 +300,7 @@ impl Ebpf {
         let redirected = |f: &FlowCell| f.counters().redirected;
         let d2u_run = pin!(d2u.run(down_initial));
         let u2d_run = pin!(u2d.run(up_initial));
-        let mut watchdog = Watchdog::new(Kind::Ebpf, limits.stall_after);
+        let mut watchdog = Watchdog::new(self.tally, limits.stall_after);
         let end = drive(
             &downstream,
             &upstream,
