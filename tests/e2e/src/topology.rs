@@ -14,8 +14,13 @@
 //! nothing across clusters. Pod traffic leaving the pod network is masqueraded on its node
 //! (Flannel's ip-masq), so another cluster's node can answer it. The underlay's MTU is
 //! 1500, the pods' links' and bridges' 1450, as with Flannel's VXLAN.
+//!
+//! [`Layout::standard_v6`] is the same world on IPv6: node IPs `fd00:77::11` … on a
+//! dual-stack underlay (etcd stays at its IPv4 address), pods IPv6-only in the pod CIDR
+//! `fd00:244::/48` of both clusters (`fd00:244:0:N::/64` per node, the same host parts),
+//! masqueraded the same way.
 
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use crate::netns::{self, Error};
 
@@ -27,6 +32,11 @@ pub const UNDERLAY: &str = "wp-underlay";
 pub const ETCD_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 77, 2);
 /// The pod CIDR of both clusters.
 pub const POD_CIDR: &str = "10.244.0.0/16";
+/// The IPv6 pod CIDR of both clusters (the IPv6 world).
+pub const POD_CIDR_V6: &str = "fd00:244::/48";
+/// The underlay's IPv6 address in `wp-underlay` (where the harness reads the daemons'
+/// admin servers from).
+pub const UNDERLAY_V6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x77, 0, 0, 0, 0, 0, 2);
 /// Mesh domain of structured SNIs, and the SPIFFE trust domain.
 pub const MESH_DOMAIN: &str = "mesh.local";
 /// The Kubernetes namespace of every demo service.
@@ -51,10 +61,13 @@ pub struct Node {
     pub name: String,
     /// `a` or `b`.
     pub cluster: String,
-    /// N in the node's pod subnet 10.244.N.0/24.
+    /// N in the node's pod subnet 10.244.N.0/24 (fd00:244:0:N::/64).
     pub index: u8,
-    /// The node IP on the underlay.
-    pub ip: Ipv4Addr,
+    /// The node IP on the underlay: what the daemon registers and other clusters dial.
+    pub ip: IpAddr,
+    /// The node's IPv4 address on the underlay, which reaches etcd (`ip` itself in the
+    /// IPv4 world).
+    pub ipv4: Ipv4Addr,
 }
 
 impl Node {
@@ -80,13 +93,54 @@ impl Node {
 
     /// The node's pod subnet.
     pub fn pod_subnet(&self) -> String {
-        format!("10.244.{}.0/24", self.index)
+        match self.ip {
+            IpAddr::V4(_) => format!("10.244.{}.0/24", self.index),
+            IpAddr::V6(_) => format!("fd00:244:0:{}::/64", self.index),
+        }
     }
 
     /// The pods' gateway (the node's cni0 address).
-    pub fn gateway(&self) -> Ipv4Addr {
-        Ipv4Addr::new(10, 244, self.index, 1)
+    pub fn gateway(&self) -> IpAddr {
+        pod_ip(self.ip.is_ipv6(), self.index, 1)
     }
+}
+
+/// The IP of host `last` in node `index`'s pod subnet, of the family asked.
+fn pod_ip(v6: bool, index: u8, last: u8) -> IpAddr {
+    if v6 {
+        Ipv6Addr::new(0xfd00, 0x244, 0, index.into(), 0, 0, 0, last.into()).into()
+    } else {
+        Ipv4Addr::new(10, 244, index, last).into()
+    }
+}
+
+/// The prefix length of the underlay's and the pod subnets' addresses.
+fn prefix(ip: IpAddr) -> u8 {
+    if ip.is_ipv6() {
+        64
+    } else {
+        24
+    }
+}
+
+/// `ip addr add` arguments for `ip` on `dev`: without duplicate address detection for
+/// IPv6, which would leave the address unusable ("tentative") for a second or two.
+fn addr_add<'a>(ns: &'a str, ip: IpAddr, dev: &'a str) -> Vec<String> {
+    let mut args: Vec<String> = ["-n", ns, "addr", "add"]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
+    args.push(format!("{ip}/{}", prefix(ip)));
+    args.extend(["dev".to_owned(), dev.to_owned()]);
+    if ip.is_ipv6() {
+        args.push("nodad".to_owned());
+    }
+    args
+}
+
+fn ip_owned(args: &[String]) -> Result<String, Error> {
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    netns::ip(&args)
 }
 
 /// One simulated pod.
@@ -97,7 +151,7 @@ pub struct Pod {
     /// The node it runs on.
     pub node: String,
     /// Its IP.
-    pub ip: Ipv4Addr,
+    pub ip: IpAddr,
     /// The service it backs (none: a pure client, not registered).
     pub service: Option<String>,
     /// Whether that service is exported to other clusters.
@@ -114,7 +168,11 @@ impl Pod {
 
     /// The node side of the pod's link (in the node's namespace; at most 15 bytes).
     pub fn hostlink(&self) -> String {
-        format!("vp{}", self.ip.octets()[3])
+        let last = match self.ip {
+            IpAddr::V4(ip) => u16::from(ip.octets()[3]),
+            IpAddr::V6(ip) => ip.segments()[7],
+        };
+        format!("vp{last}")
     }
 
     /// `pod_ip:15008`.
@@ -136,18 +194,36 @@ impl Layout {
     /// Clusters a and b, two nodes each. A pods end in .10/.11, B pods in .20/.21, so an
     /// A pod dialing a B pod's IP reaches no one in its own cluster either.
     pub fn standard() -> Layout {
-        let node = |name: &str, index: u8, last: u8| Node {
-            name: name.to_owned(),
-            cluster: name[..1].to_owned(),
-            index,
-            ip: Ipv4Addr::new(192, 168, 77, last),
+        Layout::of_family(false)
+    }
+
+    /// [`Layout::standard`] with IPv6 node IPs and IPv6-only pods (see the module
+    /// comment).
+    pub fn standard_v6() -> Layout {
+        Layout::of_family(true)
+    }
+
+    fn of_family(v6: bool) -> Layout {
+        let node = |name: &str, index: u8, last: u8| {
+            let ipv4 = Ipv4Addr::new(192, 168, 77, last);
+            Node {
+                name: name.to_owned(),
+                cluster: name[..1].to_owned(),
+                index,
+                ip: if v6 {
+                    Ipv6Addr::new(0xfd00, 0x77, 0, 0, 0, 0, 0, last.into()).into()
+                } else {
+                    ipv4.into()
+                },
+                ipv4,
+            }
         };
         let pod = |service: Option<&str>, node: &str, index: u8, last: u8, exported: bool| {
             let sa = service.unwrap_or("client");
             Pod {
                 name: format!("{sa}-{node}"),
                 node: node.to_owned(),
-                ip: Ipv4Addr::new(10, 244, index, last),
+                ip: pod_ip(v6, index, last),
                 service: service.map(str::to_owned),
                 exported,
                 service_account: sa.to_owned(),
@@ -209,6 +285,7 @@ impl Layout {
             "dev",
             "br0",
         ])?;
+        ip_owned(&addr_add(u, UNDERLAY_V6.into(), "br0"))?;
         netns::ip(&["-n", u, "link", "set", "br0", "up"])?;
         for n in &self.nodes {
             self.build_node(n)?;
@@ -257,32 +334,20 @@ impl Layout {
             "br0",
             "up",
         ])?;
-        netns::ip(&[
-            "-n",
-            ns,
-            "addr",
-            "add",
-            &format!("{}/24", n.ip),
-            "dev",
-            "eth0",
-        ])?;
+        ip_owned(&addr_add(ns, n.ipv4.into(), "eth0"))?;
+        if n.ip.is_ipv6() {
+            ip_owned(&addr_add(ns, n.ip, "eth0"))?;
+        }
         netns::ip(&["-n", ns, "link", "set", "eth0", "up"])?;
         // See `build_pod`: checksums are computed and checked in software between hosts.
         netns::software_checksums(UNDERLAY, &n.uplink(), false)?;
         netns::software_checksums(ns, "eth0", false)?;
         netns::exec(ns, "sysctl", &["-qw", "net.ipv4.ip_forward=1"])?;
+        netns::exec(ns, "sysctl", &["-qw", "net.ipv6.conf.all.forwarding=1"])?;
         netns::ip(&[
             "-n", ns, "link", "add", "cni0", "mtu", POD_MTU, "type", "bridge",
         ])?;
-        netns::ip(&[
-            "-n",
-            ns,
-            "addr",
-            "add",
-            &format!("{}/24", n.gateway()),
-            "dev",
-            "cni0",
-        ])?;
+        ip_owned(&addr_add(ns, n.gateway(), "cni0"))?;
         netns::ip(&["-n", ns, "link", "set", "cni0", "up"])?;
         // host-gw: the other nodes of this cluster own their /24s; other clusters' pod
         // subnets (the same numbers) are never routed.
@@ -297,8 +362,12 @@ impl Layout {
                 &peer.ip.to_string(),
             ])?;
         }
+        let (family, cidr) = match n.ip {
+            IpAddr::V4(_) => ("ip", POD_CIDR),
+            IpAddr::V6(_) => ("ip6", POD_CIDR_V6),
+        };
         let rules = format!(
-            "table ip wp-masq {{\n  chain postrouting {{\n    type nat hook postrouting priority srcnat; policy accept;\n    ip saddr {POD_CIDR} ip daddr != {POD_CIDR} oifname \"eth0\" masquerade\n  }}\n}}\n"
+            "table {family} wp-masq {{\n  chain postrouting {{\n    type nat hook postrouting priority srcnat; policy accept;\n    {family} saddr {cidr} {family} daddr != {cidr} oifname \"eth0\" masquerade\n  }}\n}}\n"
         );
         netns::run_with_input("ip", &["netns", "exec", ns, "nft", "-f", "-"], Some(&rules))?;
         Ok(())
@@ -340,15 +409,7 @@ fn build_pod(node: &Node, p: &Pod) -> Result<(), Error> {
         "cni0",
         "up",
     ])?;
-    netns::ip(&[
-        "-n",
-        ns,
-        "addr",
-        "add",
-        &format!("{}/24", p.ip),
-        "dev",
-        "eth0",
-    ])?;
+    ip_owned(&addr_add(ns, p.ip, "eth0"))?;
     netns::ip(&["-n", ns, "link", "set", "eth0", "up"])?;
     // Every veth end checks checksums in software, and every end but the pod's own
     // completes them in software: a pod's packets reach its node's program with the
@@ -358,7 +419,9 @@ fn build_pod(node: &Node, p: &Pod) -> Result<(), Error> {
     // checked by the receiving socket, which drops a packet whose checksum is wrong.
     netns::software_checksums(node_ns, &p.hostlink(), false)?;
     netns::software_checksums(ns, "eth0", true)?;
+    let family = if p.ip.is_ipv6() { "-6" } else { "-4" };
     netns::ip(&[
+        family,
         "-n",
         ns,
         "route",

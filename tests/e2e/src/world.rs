@@ -40,6 +40,8 @@ pub struct Options {
     pub drain_timeout: Duration,
     /// More arguments for every daemon (e.g. `--rewrite-splice`).
     pub daemon_extra: Vec<String>,
+    /// IPv6 node IPs and pods ([`Layout::standard_v6`]) instead of IPv4.
+    pub ipv6: bool,
 }
 
 impl Options {
@@ -54,6 +56,7 @@ impl Options {
             hello_timeout: Duration::from_secs(2),
             drain_timeout: Duration::from_secs(5),
             daemon_extra: Vec::new(),
+            ipv6: false,
         }
     }
 }
@@ -146,7 +149,11 @@ impl World {
         let _ = std::fs::remove_dir_all(&opts.run_dir);
         std::fs::create_dir_all(opts.run_dir.join("logs"))
             .with_context(|| format!("creating {}", opts.run_dir.display()))?;
-        let layout = Layout::standard();
+        let layout = if opts.ipv6 {
+            Layout::standard_v6()
+        } else {
+            Layout::standard()
+        };
         let mut sas: Vec<&str> = layout
             .pods
             .iter()
@@ -644,16 +651,17 @@ impl World {
 table netdev wp_dup {{
   chain to_node {{
     type filter hook ingress device \"{peer_link}\" priority 0; policy accept;
-    ip daddr {node_ip} numgen random mod 1000 < {dup} counter dup to \"{link}\"
+    {family} daddr {node_ip} numgen random mod 1000 < {dup} counter dup to \"{link}\"
   }}
   chain to_peer {{
     type filter hook ingress device \"{link}\" priority 0; policy accept;
-    ip daddr {peer_ip} numgen random mod 1000 < {dup} counter dup to \"{peer_link}\"
+    {family} daddr {peer_ip} numgen random mod 1000 < {dup} counter dup to \"{peer_link}\"
   }}
 }}
 ",
             node_ip = n.ip,
             peer_ip = p.ip,
+            family = if n.ip.is_ipv6() { "ip6" } else { "ip" },
         );
         nft(UNDERLAY, &underlay)?;
         let pod_side = format!(

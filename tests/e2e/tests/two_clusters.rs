@@ -1,5 +1,6 @@
-//! Two clusters end to end, once per dataplane: the design record's verification on
-//! network namespaces, with a real etcd, real daemons and real mTLS (see the crate docs).
+//! Two clusters end to end, once per dataplane and address family: the design record's
+//! verification on network namespaces, with a real etcd, real daemons and real mTLS (see
+//! the crate docs).
 //! Needs root, and fails (never skips) without it.
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 
@@ -34,7 +35,7 @@ const MIB: u64 = 1 << 20;
 /// A named scenario.
 type Step = (&'static str, fn(&mut World));
 
-fn options(dataplane: &str, extra: &[&str]) -> Options {
+fn options(dataplane: &str, extra: &[&str], ipv6: bool) -> Options {
     world::require_root().expect("this test needs root; CI runs it as root");
     let e2e = PathBuf::from(env!("CARGO_BIN_EXE_waypoint-e2e"));
     let waypoint = match std::env::var_os("WAYPOINT_BIN") {
@@ -47,21 +48,24 @@ fn options(dataplane: &str, extra: &[&str]) -> Options {
     };
     let mut opts = Options::new(dataplane, waypoint, e2e);
     opts.daemon_extra = extra.iter().map(|s| (*s).to_owned()).collect();
+    opts.ipv6 = ipv6;
     // Per run, so that a failed run's logs survive the next run.
-    opts.run_dir = std::env::temp_dir().join(format!("waypoint-e2e-{}", label(dataplane, extra)));
+    opts.run_dir =
+        std::env::temp_dir().join(format!("waypoint-e2e-{}", label(dataplane, extra, ipv6)));
     opts
 }
 
-fn label(dataplane: &str, extra: &[&str]) -> String {
+fn label(dataplane: &str, extra: &[&str], ipv6: bool) -> String {
     std::iter::once(dataplane)
         .chain(extra.iter().map(|a| a.trim_start_matches('-')))
+        .chain(ipv6.then_some("ipv6"))
         .collect::<Vec<_>>()
         .join("-")
 }
 
 #[test]
 fn two_clusters_ebpf() {
-    run("ebpf", &[]);
+    run("ebpf", &[], false);
 }
 
 /// The same world with every connection spliced by rewriting packet headers: the
@@ -69,18 +73,46 @@ fn two_clusters_ebpf() {
 /// back.
 #[test]
 fn two_clusters_ebpf_rewrite_splice() {
-    run("ebpf", &["--rewrite-splice"]);
+    run("ebpf", &["--rewrite-splice"], false);
 }
 
 #[test]
 fn two_clusters_splice() {
-    run("splice", &[]);
+    run("splice", &[], false);
 }
 
-fn run(dataplane: &str, extra: &[&str]) {
+/// The IPv6 world (IPv6 node IPs, IPv6-only pods; see `topology`), every scenario.
+#[test]
+fn two_clusters_ipv6_ebpf() {
+    run("ebpf", &[], true);
+}
+
+/// With `--rewrite-splice`, every IPv6 connection is refused to the rewrite
+/// (`refused_not_ipv4`) and carried by the SockHash.
+#[test]
+fn two_clusters_ipv6_ebpf_rewrite_splice() {
+    run("ebpf", &["--rewrite-splice"], true);
+}
+
+#[test]
+fn two_clusters_ipv6_splice() {
+    run("splice", &[], true);
+}
+
+/// The `result` of `waypoint_rewrite_connections_total` that every connection through a
+/// waypoint gets with `--rewrite-splice`: the rewrite takes IPv4 connections only.
+fn rewritten(w: &World) -> &'static str {
+    if w.opts.ipv6 {
+        r#"waypoint_rewrite_connections_total{result="refused_not_ipv4"}"#
+    } else {
+        r#"waypoint_rewrite_connections_total{result="spliced"}"#
+    }
+}
+
+fn run(dataplane: &str, extra: &[&str], ipv6: bool) {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let opts = options(dataplane, extra);
-    let dataplane = label(dataplane, extra);
+    let opts = options(dataplane, extra, ipv6);
+    let dataplane = label(dataplane, extra, ipv6);
     let dataplane = dataplane.as_str();
     let started = Instant::now();
     let mut w = World::up(opts).expect("bringing the two clusters up");
@@ -212,11 +244,11 @@ fn cross_cluster(w: &mut World) {
     .unwrap_or_else(|_| panic!("waypoint {via} counted the bytes: {:?}", after[&via]));
     assert_eq!(after[&via].opened(), before[&via].opened() + 1.0);
     if w.opts.daemon_extra.iter().any(|a| a == "--rewrite-splice") {
-        let spliced = r#"waypoint_rewrite_connections_total{result="spliced"}"#;
+        let result = rewritten(w);
         assert_eq!(
-            after[&via].get(spliced),
-            before[&via].get(spliced) + 1.0,
-            "spliced by rewriting, not by the SockHash: {:?}",
+            after[&via].get(result),
+            before[&via].get(result) + 1.0,
+            "{result}: {:?}",
             after[&via]
         );
         // lo, eth0, cni0 and a veth per pod.
@@ -416,11 +448,11 @@ fn lossy_links(w: &mut World) {
             .filter(|(_, d)| *d != 0.0)
             .collect();
         eprintln!("    rewrite: {results:?}");
-        let spliced = r#"waypoint_rewrite_connections_total{result="spliced"}"#;
+        let result = rewritten(w);
         assert_eq!(
-            after.get(spliced),
-            before.get(spliced) + 5.0,
-            "every connection spliced by rewriting: {results:?}"
+            after.get(result),
+            before.get(result) + 5.0,
+            "every connection {result}: {results:?}"
         );
     }
 }
