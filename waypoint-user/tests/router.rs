@@ -904,7 +904,18 @@ async fn out_of_descriptors_waits_or_refuses_then_recovers() {
         waited + refused >= 1.0,
         "waited {waited}, refused {refused}"
     );
-    // Recovered: new connections route.
+    // Recovered once the daemon has closed the released connections' descriptors (it
+    // sees each client's FIN in its own time; a slow machine takes a while): new
+    // connections route.
+    let deadline = std::time::Instant::now() + WAIT;
+    while daemon.open_fds() as u64 > at_rest + 8 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the daemon still holds {} descriptors ({at_rest} at rest)",
+            daemon.open_fds()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     for _ in 0..3 {
         echo_through(tunnel, &hello, b"after").await;
     }
