@@ -78,10 +78,10 @@ enum Task {
         keep: bool,
     },
     /// The dataplane and router test binaries and a short soak on Debian's kernels 5.10,
-    /// 6.1 and 6.12 (root; not part of `test`): each pinned package fetched through a
-    /// private apt configuration, booted under QEMU with the host's root shared over
-    /// 9p. Prints a table of kernel × test binary (passed/run) and writes it, with each
-    /// binary's log, to <target>/kernels/. Fails when any kernel fails.
+    /// 6.1 and 6.12 (root; `test` runs 6.1 and 6.12): each pinned package fetched
+    /// through a private apt configuration, booted under QEMU with the host's root
+    /// shared over 9p. Prints a table of kernel × test binary (passed/run) and writes it,
+    /// with each binary's log, to <target>/kernels/. Fails when any kernel fails.
     Kernels(kernels::Args),
     /// Fuzz the ClientHello/SNI parser for a while (cargo-fuzz, nightly).
     Fuzz {
