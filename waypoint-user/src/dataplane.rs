@@ -233,6 +233,14 @@ impl Dataplane {
         self.tally().stalls()
     }
 
+    /// Times this dataplane woke the kernel's backlog of a socket in the SockHash that
+    /// held redirected bytes and sent none (see [`crate::sys::wake_writer`]): kernels
+    /// without the 2023 sockmap fixes (Linux 6.4; 6.1.32) leave such a backlog asleep. Zero
+    /// but for the eBPF dataplane.
+    pub fn backlog_wakeups(&self) -> u64 {
+        self.tally().wakeups()
+    }
+
     /// This dataplane's parked connections' counts; all zero before its first parking.
     pub fn parking(&self) -> Parking {
         self.tally().parking()

@@ -271,6 +271,20 @@ impl Collector for DataplaneCollector {
         )?;
         family(
             &mut encoder,
+            "dataplane_backlog_wakeups",
+            "Times the daemon woke the kernel's backlog of a socket in the SockHash that \
+             held redirected bytes and sent none while the socket's send queue was empty. \
+             Kernels without the 2023 sockmap fixes (before 6.4 and 6.1.32; 5.10.y) leave \
+             such a backlog asleep",
+            [(
+                DataplaneLabel {
+                    dataplane: self.dataplane.kind().as_str(),
+                },
+                counter(self.dataplane.backlog_wakeups()),
+            )],
+        )?;
+        family(
+            &mut encoder,
             "dataplane_stalls",
             "Connections counted as stalled (each once, and logged at warn): bytes held \
              inside the waypoint towards a side with an empty send queue, and no byte count \

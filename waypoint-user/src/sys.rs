@@ -16,5 +16,5 @@ pub(crate) use process::{
 };
 pub(crate) use socket::{
     cookie, getsockopt_u32, ioctl_int, peek, queued, recv_spare, set_rcvlowat, setsockopt_int,
-    tcp_info, unsent_or_unacked,
+    tcp_info, unsent_or_unacked, wake_writer,
 };

@@ -68,9 +68,15 @@ async fn bulk_both_ways(kind: Kind) {
     let (sent_back, got) = tokio::join!(common::send_random(w, TOTAL, 2), common::recv_all(r));
     let (client_sent, client_got, outcome) = client.await.unwrap();
 
-    if let waypoint::dataplane::Dataplane::Ebpf(e) = &*common::dataplane(kind) {
-        // How much went through the kernel fast path vs userspace, for the log.
-        eprintln!("{kind:?}: {outcome:?}; verdict stats {:?}", e.stats());
+    let dp = common::dataplane(kind);
+    if let waypoint::dataplane::Dataplane::Ebpf(e) = &*dp {
+        // How much went through the kernel fast path vs userspace, and how often the
+        // destination's backlog had to be woken, for the log.
+        eprintln!(
+            "{kind:?}: {outcome:?}; verdict stats {:?}; backlog wake-ups {}",
+            e.stats(),
+            dp.backlog_wakeups()
+        );
     }
     if let (Some((fallbacks, redirected)), Some((fallbacks0, redirected0))) =
         (ebpf_counts(kind), before)

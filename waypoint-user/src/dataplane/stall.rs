@@ -20,6 +20,14 @@
 //! acknowledges), so it is not looked at closer again until they move.
 //!
 //! A connection is counted at most once; after that its watchdog is off.
+//!
+//! On the SockHash path ([`Watchdog::waking_backlogs`]) the watchdog also wakes: held
+//! bytes towards an idle destination there can sit in the destination's kernel backlog,
+//! which kernels without the 2023 sockmap fixes leave asleep (see
+//! [`crate::sys::wake_writer`]). So at the first idle check that finds the counts still,
+//! rather than after the window, such a destination's backlog is woken, once per still
+//! period, whether or not the stall window is on. A connection the wake gets going again
+//! moves its counts and is never counted.
 
 use std::{
     fmt,
@@ -27,9 +35,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use tracing::warn;
+use tracing::{debug, warn};
 
 use super::{flows::FlowCell, queued, tally::Tally, tcp_info, unsent_or_unacked, Carried};
+use crate::sys::wake_writer;
 
 /// Default for [`super::Limits::stall_after`].
 pub const DEFAULT_STALL_AFTER: Duration = Duration::from_secs(10);
@@ -50,6 +59,10 @@ pub(super) struct Watchdog {
     clear: bool,
     /// The connection was counted (and the watchdog turned off).
     fired: bool,
+    /// Wakes the backlog of a destination that holds bytes and sends none.
+    wakes: bool,
+    /// The backlogs were woken at `counts`.
+    woken: bool,
 }
 
 impl Watchdog {
@@ -68,6 +81,17 @@ impl Watchdog {
             counts: 0,
             clear: false,
             fired,
+            wakes: false,
+            woken: false,
+        }
+    }
+
+    /// This watchdog also wakes the kernel backlogs of destinations that hold bytes and
+    /// send none (see the module's comment): for connections in the SockHash.
+    pub(super) fn waking_backlogs(self) -> Watchdog {
+        Watchdog {
+            wakes: true,
+            ..self
         }
     }
 
@@ -93,9 +117,10 @@ impl Watchdog {
         upstream: &impl AsFd,
         flows: Option<[&FlowCell; 2]>,
     ) -> bool {
-        let Some(after) = self.after else {
+        let wake = self.wakes && !self.woken;
+        if self.after.is_none() && !wake {
             return false;
-        };
+        }
         if moved {
             self.since = None;
             return false;
@@ -114,11 +139,13 @@ impl Watchdog {
                 self.since = Some(now);
                 self.counts = counts;
                 self.clear = false;
+                self.woken = false;
                 return false;
             }
         };
         let still = now.saturating_duration_since(since);
-        if self.clear || still < after {
+        let due = self.after.is_some_and(|after| still >= after);
+        if self.clear || !(due || wake) {
             return false;
         }
         let (Ok(down_outq), Ok(up_outq)) =
@@ -134,8 +161,23 @@ impl Watchdog {
         };
         let d2u_held = d.received.saturating_sub(u.taken);
         let u2d_held = u.received.saturating_sub(d.taken);
-        if !((d2u_held > 0 && up_outq == 0) || (u2d_held > 0 && down_outq == 0)) {
+        let towards_idle = [d2u_held > 0 && up_outq == 0, u2d_held > 0 && down_outq == 0];
+        if towards_idle == [false, false] {
             self.clear = true;
+            return false;
+        }
+        if !due {
+            self.woken = true;
+            let dsts = [upstream.as_fd(), downstream.as_fd()];
+            for (dst, _) in dsts.iter().zip(towards_idle).filter(|(_, idle)| *idle) {
+                if wake_writer(dst).is_ok() {
+                    self.tally.woke();
+                }
+            }
+            debug!(
+                d2u_held,
+                u2d_held, "woke the backlog of a destination that holds bytes and sends none"
+            );
             return false;
         }
         self.after = None;
@@ -249,6 +291,50 @@ mod tests {
         assert!(w.fired());
         assert!(!run(&mut w, &down, &up, tick, 8), "counted once");
         assert_eq!(tally.stalls(), 1);
+    }
+
+    /// A waking watchdog wakes the idle destination at the first still check, once per
+    /// still period, and still counts the stall after the window if nothing moved; with
+    /// the window off it only wakes. A watchdog that does not wake never does.
+    #[test]
+    fn a_waking_watchdog_wakes_first_then_counts() {
+        let (mut client, down) = pair();
+        let (up, _pod) = pair();
+        client.write_all(&[1u8; 1000]).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        let tick = Duration::from_millis(500);
+        let start = Instant::now();
+
+        let tally = Tally::leak(Kind::Ebpf);
+        let mut w = Watchdog::new(tally, Some(Duration::from_secs(1))).waking_backlogs();
+        assert!(!w.check(start, false, &down, &up, None), "first look");
+        assert!(!w.check(start + tick, false, &down, &up, None), "woken");
+        assert_eq!((tally.wakeups(), tally.stalls()), (1, 0));
+        assert!(
+            w.check(start + tick * 2, false, &down, &up, None),
+            "a window"
+        );
+        assert_eq!((tally.wakeups(), tally.stalls()), (1, 1));
+        assert!(!run(&mut w, &down, &up, tick, 8));
+        assert_eq!(
+            (tally.wakeups(), tally.stalls()),
+            (1, 1),
+            "once per still period"
+        );
+
+        let tally = Tally::leak(Kind::Ebpf);
+        let mut w = Watchdog::new(tally, None).waking_backlogs();
+        assert!(!run(&mut w, &down, &up, tick, 8));
+        assert_eq!(
+            (tally.wakeups(), tally.stalls()),
+            (1, 0),
+            "window off: wakes only"
+        );
+
+        let tally = Tally::leak(Kind::Copy);
+        let mut w = Watchdog::new(tally, Some(Duration::from_secs(1)));
+        assert!(run(&mut w, &down, &up, tick, 8));
+        assert_eq!((tally.wakeups(), tally.stalls()), (0, 1), "not waking");
     }
 
     /// The daemon moving bytes restarts the window: no stall while it does.

@@ -1,6 +1,6 @@
 //! What one dataplane counts of its connections besides how they end: the connections
-//! its stall watchdog caught (see [`super::stall`]) and its idle connections parked (see
-//! [`super::park`]). Each [`super::Dataplane`] has its own, so two in one process (as in
+//! its stall watchdog caught (see [`super::stall`]), the kernel backlogs it woke (see
+//! [`crate::sys::wake_writer`]) and its idle connections parked (see [`super::park`]). Each [`super::Dataplane`] has its own, so two in one process (as in
 //! a test binary) count apart.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
@@ -15,6 +15,7 @@ pub(crate) struct Tally {
     /// as `ebpf`).
     kind: Kind,
     stalls: AtomicU64,
+    wakeups: AtomicU64,
     parked: AtomicUsize,
     parks: AtomicU64,
     park_failures: AtomicU64,
@@ -30,6 +31,7 @@ impl Tally {
         Box::leak(Box::new(Tally {
             kind,
             stalls: AtomicU64::new(0),
+            wakeups: AtomicU64::new(0),
             parked: AtomicUsize::new(0),
             parks: AtomicU64::new(0),
             park_failures: AtomicU64::new(0),
@@ -49,6 +51,17 @@ impl Tally {
     /// Connections caught stalled so far.
     pub(crate) fn stalls(&self) -> u64 {
         self.stalls.load(Relaxed)
+    }
+
+    /// A destination's SockHash backlog, holding redirected bytes that it did not send,
+    /// was woken.
+    pub(crate) fn woke(&self) {
+        self.wakeups.fetch_add(1, Relaxed);
+    }
+
+    /// Backlog wake-ups so far.
+    pub(crate) fn wakeups(&self) -> u64 {
+        self.wakeups.load(Relaxed)
     }
 
     /// An idle connection was parked.

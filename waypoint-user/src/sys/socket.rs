@@ -107,6 +107,23 @@ pub(crate) fn set_rcvlowat(fd: impl Fd, n: libc::c_int) -> io::Result<()> {
     setsockopt_int(fd, libc::SOL_SOCKET, libc::SO_RCVLOWAT, n)
 }
 
+/// Runs the socket's write-space callback (`sk_write_space`), changing nothing else:
+/// sets `TCP_NOTSENT_LOWAT` to the value it has, and the kernel calls the callback after
+/// every set of that option.
+///
+/// For a socket in a SockHash the callback is the psock's, which schedules the backlog
+/// that sends what the verdict redirected to it. Before the 2023 sockmap series (Linux
+/// 6.4; 6.1.32), a backlog that found the socket not writeable gave up until that
+/// callback ran, and TCP runs it only for a writer that had found the queue full: bytes
+/// redirected at the wrong moment stayed in the backlog for good. This is the wake-up
+/// the daemon gives such a backlog.
+pub(crate) fn wake_writer(fd: impl Fd) -> io::Result<()> {
+    let (lowat, _) = getsockopt::<u32>(fd.raw(), libc::IPPROTO_TCP, libc::TCP_NOTSENT_LOWAT)?;
+    // Bit for bit: the kernel keeps the option as a u32 (0: the sysctl's value).
+    let same = libc::c_int::from_ne_bytes(lowat.to_ne_bytes());
+    setsockopt_int(fd, libc::IPPROTO_TCP, libc::TCP_NOTSENT_LOWAT, same)
+}
+
 /// An `ioctl` that writes one `int` (SIOCINQ, SIOCOUTQ, SIOCOUTQNSD).
 pub(crate) fn ioctl_int(fd: impl Fd, req: libc::Ioctl) -> io::Result<libc::c_int> {
     let mut v: libc::c_int = 0;
@@ -164,4 +181,40 @@ pub(crate) fn peek(fd: impl Fd, buf: &mut [u8]) -> io::Result<usize> {
         };
     }
     Ok(n as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+    use std::net::{TcpListener, TcpStream};
+
+    use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
+
+    use super::*;
+
+    /// The write-space callback of a TCP socket wakes its writers: an edge-triggered
+    /// EPOLLOUT, consumed once, comes again only if the callback ran.
+    #[test]
+    fn wake_writer_runs_the_write_space_callback_and_keeps_the_option() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let _server = listener.accept().unwrap();
+        let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).unwrap();
+        let watched = EpollEvent::new(EpollFlags::EPOLLOUT | EpollFlags::EPOLLET, 7);
+        epoll.add(&client, watched).unwrap();
+        let mut events = [EpollEvent::empty(); 4];
+        let ready = |events: &mut [EpollEvent]| epoll.wait(events, EpollTimeout::ZERO).unwrap();
+        assert_eq!(ready(&mut events), 1, "a new socket is writable");
+        assert_eq!(ready(&mut events), 0, "the edge was consumed");
+
+        wake_writer(&client).unwrap();
+        assert_eq!(ready(&mut events), 1, "the callback woke the writer");
+        assert_eq!(events[0].data(), 7);
+        let lowat = |s: &TcpStream| getsockopt_u32(s, libc::IPPROTO_TCP, libc::TCP_NOTSENT_LOWAT);
+        assert_eq!(lowat(&client).unwrap(), 0, "the option is as it was");
+
+        setsockopt_int(&client, libc::IPPROTO_TCP, libc::TCP_NOTSENT_LOWAT, 131_072).unwrap();
+        wake_writer(&client).unwrap();
+        assert_eq!(lowat(&client).unwrap(), 131_072, "a set value stays");
+    }
 }

@@ -23,6 +23,7 @@ use crate::dataplane::flows::{Budget, FlowCell};
 use crate::dataplane::send_buffer::DrainProbe;
 use crate::dataplane::watch::Watch;
 use crate::dataplane::{classify_read_error, classify_write_error, shutdown_write, DirEnd};
+use crate::sys::wake_writer;
 
 use super::sockhash::*;
 /// The eBPF object built by waypoint-user's build script from waypoint-ebpf.
@@ -266,6 +267,7 @@ impl Direction<'_> {
         }
         let target = redirected + self.user_bytes.load(Relaxed);
         let mut spins = 0u32;
+        let mut asleep = Asleep::new();
         loop {
             let h = handed(self.dst).map_err(DirEnd::Error)?;
             if h.bytes.saturating_sub(self.dst_base) >= target {
@@ -293,7 +295,27 @@ impl Direction<'_> {
             if spins < 64 {
                 tokio::task::yield_now().await;
             } else {
+                if asleep.still(h) {
+                    self.wake_backlog(target, h.bytes - self.dst_base);
+                }
                 tokio::time::sleep(Duration::from_micros(200)).await;
+            }
+        }
+    }
+
+    /// Wakes dst's backlog, which holds redirected bytes that it does not send (see
+    /// [`Asleep`]).
+    fn wake_backlog(&self, target: u64, handed: u64) {
+        match wake_writer(self.dst) {
+            Ok(()) => {
+                self.dp.tally.woke();
+                debug!(
+                    dir = self.name,
+                    target, handed, "woke the destination's backlog"
+                );
+            }
+            Err(e) => {
+                debug!(dir = self.name, error = %e, "could not wake the destination's backlog")
             }
         }
     }
@@ -364,5 +386,101 @@ impl Direction<'_> {
 
     fn publish(&self, budget: Budget) {
         self.flow.publish(budget);
+    }
+}
+
+/// Whether dst's backlog sleeps with redirected bytes, as seen by [`Direction::wait_handed`]
+/// between its sleeps: dst's TCP took none of them for `wake_after` looks in a row while
+/// its send queue was empty, so no ack of dst's own bytes is coming that could get the
+/// backlog going. The kernel's backlog sends at once what the verdict redirects; one that
+/// found dst not writeable waits for dst's write-space callback, which kernels without
+/// the 2023 sockmap series never run for it (`sys::wake_writer`). Each wake without
+/// progress doubles the wait for the next.
+struct Asleep {
+    /// dst's `handed` at the last look, if its send queue was empty then.
+    last: Option<u64>,
+    /// Looks in a row with `last` unchanged.
+    looks: u32,
+    /// Looks before a wake.
+    wake_after: u32,
+}
+
+impl Asleep {
+    /// Looks before the first wake: with the daemon's 200 µs sleeps (a millisecond or
+    /// more, as the timer rounds), the kernel had ten chances to send.
+    const FIRST: u32 = 10;
+    /// Most looks between wakes.
+    const MOST: u32 = 5_000;
+
+    fn new() -> Asleep {
+        Asleep {
+            last: None,
+            looks: 0,
+            wake_after: Asleep::FIRST,
+        }
+    }
+
+    /// Takes one look at dst; true when its backlog is to be woken.
+    fn still(&mut self, h: Handed) -> bool {
+        let idle = h.bytes == h.acked;
+        if !idle || self.last != Some(h.bytes) {
+            self.last = idle.then_some(h.bytes);
+            self.looks = 0;
+            return false;
+        }
+        self.looks += 1;
+        if self.looks < self.wake_after {
+            return false;
+        }
+        self.looks = 0;
+        self.wake_after = self.wake_after.saturating_mul(2).min(Asleep::MOST);
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(bytes: u64, acked: u64) -> Handed {
+        Handed {
+            bytes,
+            acked,
+            closed: false,
+            state: crate::dataplane::TCP_ESTABLISHED,
+        }
+    }
+
+    /// Looks until the first wake, from a fresh look at `h`.
+    fn looks_to_wake(a: &mut Asleep, h: Handed) -> Option<u32> {
+        (1..=Asleep::MOST + 1).find(|_| a.still(h))
+    }
+
+    #[test]
+    fn a_backlog_is_woken_only_while_dst_is_idle_and_still() {
+        let mut a = Asleep::new();
+        // The first look only records; then FIRST still looks wake.
+        assert_eq!(looks_to_wake(&mut a, at(100, 100)), Some(Asleep::FIRST + 1));
+        // Without progress the next wake waits twice as long.
+        assert_eq!(looks_to_wake(&mut a, at(100, 100)), Some(Asleep::FIRST * 2));
+
+        // A send queue that holds bytes waits on acks, never on a wake.
+        let mut a = Asleep::new();
+        assert_eq!(looks_to_wake(&mut a, at(150, 100)), None);
+
+        // Progress starts the count again.
+        let mut a = Asleep::new();
+        for _ in 0..Asleep::FIRST - 1 {
+            assert!(!a.still(at(100, 100)));
+        }
+        assert!(!a.still(at(120, 120)), "moved");
+        assert_eq!(looks_to_wake(&mut a, at(120, 120)), Some(Asleep::FIRST));
+
+        // The wait between wakes stops growing.
+        let mut a = Asleep::new();
+        for _ in 0..20 {
+            assert!(looks_to_wake(&mut a, at(1, 1)).is_some());
+        }
+        assert_eq!(a.wake_after, Asleep::MOST);
     }
 }

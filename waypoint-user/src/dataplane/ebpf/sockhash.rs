@@ -300,7 +300,7 @@ impl Ebpf {
         let redirected = |f: &FlowCell| f.counters().redirected;
         let d2u_run = pin!(d2u.run(down_initial));
         let u2d_run = pin!(u2d.run(up_initial));
-        let mut watchdog = Watchdog::new(self.tally, limits.stall_after);
+        let mut watchdog = Watchdog::new(self.tally, limits.stall_after).waking_backlogs();
         let end = drive(
             &downstream,
             &upstream,
@@ -615,6 +615,7 @@ pub(super) async fn retry(ready: impl Future<Output = io::Result<EpollFlags>>) -
 }
 
 /// What a socket's TCP has taken from its writers so far.
+#[derive(Clone, Copy, Debug)]
 pub(super) struct Handed {
     /// Bytes acknowledged by the peer plus bytes queued (sent or not).
     pub(super) bytes: u64,
