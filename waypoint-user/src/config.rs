@@ -354,8 +354,10 @@ pub struct Config {
     /// of repeated bytes), `splice` (splice(2) through
     /// pipes), `copy` (userspace copy), or `auto`. A dataplane named runs or fails the
     /// start; `auto` probes the kernel by loading the programs: ebpf as configured, else
-    /// ebpf without --rewrite-splice, else splice. The choice and the refusal behind it
-    /// are logged, shown in /readyz and exported as waypoint_dataplane{dataplane,reason}.
+    /// ebpf without --rewrite-splice, else splice; and runs splice on a kernel without
+    /// the 2023 sockmap fixes (before 6.4, and 6.1 before 6.1.32), where a named ebpf runs
+    /// with a warning. The choice and the refusal behind it are logged, shown in /readyz
+    /// and exported as waypoint_dataplane{dataplane,reason}.
     #[arg(long, env = "WAYPOINT_DATAPLANE", value_enum, default_value = "auto")]
     pub dataplane: dataplane::Kind,
 

@@ -71,7 +71,8 @@ impl Metrics {
             "The path connections take (ebpf-rewrite, ebpf, splice, copy) and why: asked \
              (--dataplane named it), probed (auto: the kernel took it), rewrite_refused or \
              ebpf_refused (auto: the kernel refused the rung above; the log and /readyz say \
-             how). Always 1",
+             how), sockmap_unfixed (auto: the kernel lacks the 2023 sockmap fixes the \
+             SockHash redirect needs). Always 1",
             info,
         );
         registry.register_collector(Box::new(DataplaneCollector { dataplane }));

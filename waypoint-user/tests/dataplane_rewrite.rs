@@ -1427,11 +1427,12 @@ impl Drop for Peer {
     }
 }
 
-/// `auto` with the rewrite splice asked for probes the running kernel: the rewrite
-/// program loads from 5.12 (its atomic compare-exchange, fetch-and-add and and/or), and
-/// below it the verifier's refusal puts the daemon on the SockHash redirect, the
-/// refusal named. The kernel matrix (`cargo xtask kernels`) runs this on 5.10, 6.1 and
-/// 6.12.
+/// `auto` with the rewrite splice asked for, on the running kernel: where the kernel
+/// has the 2023 sockmap fixes (6.1.32, 6.4; all of them load the rewrite program, whose
+/// atomics need 5.12) it takes the rewrite splice; below, it runs splice and says why.
+/// The rung between, the SockHash redirect when only the rewrite program is refused,
+/// is `choice`'s unit test. The kernel matrix (`cargo xtask kernels`) runs this on 5.10,
+/// 6.1 and 6.12.
 #[test]
 fn auto_takes_the_rewrite_splice_where_the_kernel_loads_it() {
     use waypoint::dataplane::{choice, Kind};
@@ -1441,19 +1442,21 @@ fn auto_takes_the_rewrite_splice_where_the_kernel_loads_it() {
         ..ebpf::Config::default()
     };
     let (dp, chosen) = choice::choose(Kind::Auto, config, 1 << 16).unwrap();
-    let Dataplane::Ebpf(e) = &dp else {
-        panic!("{chosen}");
-    };
     let kernel = aya::util::KernelVersion::current().unwrap();
-    if kernel >= aya::util::KernelVersion::new(5, 12, 0) {
+    if choice::sockmap_fixed(kernel) {
+        let Dataplane::Ebpf(e) = &dp else {
+            panic!("{chosen}");
+        };
         assert!(e.config().rewrite_splice, "{chosen}");
         assert_eq!(chosen.to_string(), "dataplane ebpf-rewrite (probed)");
     } else {
-        assert!(!e.config().rewrite_splice, "{chosen}");
+        assert!(matches!(dp, Dataplane::Splice(_)), "{chosen}");
         assert_eq!(
             chosen.to_string(),
-            "dataplane ebpf (rewrite_refused): the kernel refused the rewrite program \
-             (Invalid argument (os error 22)): BPF_STX uses reserved fields"
+            format!(
+                "dataplane splice (sockmap_unfixed): kernel {kernel} lacks the 2023 sockmap \
+                 fixes (6.4, 6.1.32) that the SockHash redirect needs"
+            )
         );
     }
 }

@@ -25,7 +25,7 @@ enum Task {
     BuildEbpf,
     /// Run the whole test suite: fmt check, clippy, a bounded fuzz run of the
     /// ClientHello parser, unit and integration tests (root: eBPF, real daemons), then
-    /// the kernel matrix (`kernels`: Debian's 6.1 and 6.12 under QEMU), then the
+    /// the kernel matrix (`kernels`: Debian's 5.10, 6.1 and 6.12 under QEMU), then the
     /// soak (60 s per dataplane, TLS and raw clients). This is what CI runs.
     Test {
         /// Skip fmt and clippy.
@@ -78,7 +78,7 @@ enum Task {
         keep: bool,
     },
     /// The dataplane and router test binaries and a short soak on Debian's kernels 5.10,
-    /// 6.1 and 6.12 (root; `test` runs 6.1 and 6.12): each pinned package fetched
+    /// 6.1 and 6.12 (root; `test` runs all three): each pinned package fetched
     /// through a private apt configuration, booted under QEMU with the host's root
     /// shared over 9p. Prints a table of kernel × test binary (passed/run) and writes it,
     /// with each binary's log, to <target>/kernels/. Fails when any kernel fails.

@@ -1,15 +1,18 @@
 //! Which dataplane the daemon runs, and why.
 //!
 //! `--dataplane ebpf|splice|copy` names one: it runs, or the start fails with the
-//! kernel's own refusal. `auto` probes the kernel by loading the programs (never by its
-//! version number) and takes the first rung that works: the eBPF dataplane as
-//! configured (with the rewrite splice when `--rewrite-splice` asks for it), the eBPF
-//! dataplane without the rewrite splice, then splice. The rung and the refusal that put
-//! the daemon on it are logged once, exported as `waypoint_dataplane{dataplane,reason}`
-//! and shown in `/readyz`'s body.
+//! kernel's own refusal. `auto` probes the kernel by loading the programs and takes the
+//! first rung that works: the eBPF dataplane as configured (with the rewrite splice when
+//! `--rewrite-splice` asks for it), the eBPF dataplane without the rewrite splice, then
+//! splice. What a kernel can load is probed, never read from its version; what it runs
+//! correctly cannot be probed, so one rule goes by the version: on a kernel without the
+//! 2023 sockmap series ([`sockmap_fixed`]) `auto` runs splice, and a named `ebpf` runs
+//! with a warning. The rung and the refusal that put the daemon on it are logged once,
+//! exported as `waypoint_dataplane{dataplane,reason}` and shown in `/readyz`'s body.
 
 use std::{fmt, sync::Arc};
 
+use aya::util::KernelVersion;
 use tracing::{info, warn};
 
 use super::{
@@ -31,6 +34,9 @@ pub enum Reason {
     RewriteRefused,
     /// `auto`: the kernel refused the eBPF dataplane; splice runs.
     EbpfRefused,
+    /// `auto`: the kernel's sockmap lacks the fixes the SockHash redirect needs (see
+    /// [`sockmap_fixed`]); splice runs.
+    SockmapUnfixed,
 }
 
 impl Reason {
@@ -41,6 +47,7 @@ impl Reason {
             Reason::Probed => "probed",
             Reason::RewriteRefused => "rewrite_refused",
             Reason::EbpfRefused => "ebpf_refused",
+            Reason::SockmapUnfixed => "sockmap_unfixed",
         }
     }
 }
@@ -102,14 +109,30 @@ pub fn choose(
             },
         )
     };
+    let kernel = KernelVersion::current().ok();
     let (dataplane, chosen) = match kind {
-        Kind::Ebpf => asked(ebpf(Ebpf::load(config).map_err(|source| Error {
-            rewrite: config.rewrite_splice,
-            source,
-        })?)),
+        Kind::Ebpf => {
+            if let Some(unfixed) = kernel.and_then(sockmap_unfixed) {
+                warn!(%unfixed, "--dataplane=ebpf on a kernel auto would run splice on");
+            }
+            asked(ebpf(Ebpf::load(config).map_err(|source| Error {
+                rewrite: config.rewrite_splice,
+                source,
+            })?))
+        }
         Kind::Splice => asked((Dataplane::Splice(Splice::new(pipe_size)), "splice")),
         Kind::Copy => asked((Dataplane::Copy(UserspaceCopy::new()), "copy")),
-        Kind::Auto => probe(config, pipe_size, ebpf),
+        Kind::Auto => match kernel.and_then(sockmap_unfixed) {
+            Some(unfixed) => (
+                Dataplane::Splice(Splice::new(pipe_size)),
+                Chosen {
+                    path: "splice",
+                    reason: Reason::SockmapUnfixed,
+                    refusal: Some(unfixed),
+                },
+            ),
+            None => probe(config, pipe_size, ebpf),
+        },
     };
     match &chosen.refusal {
         Some(refusal) => warn!(
@@ -125,6 +148,33 @@ pub fn choose(
         ),
     }
     Ok((dataplane, chosen))
+}
+
+/// Whether a kernel's sockmap carries the 2023 series the SockHash redirect relies on
+/// (`bpf, sockmap:` *Handle fin correctly*, *Incorrectly handling copied_seq*,
+/// *Reschedule is now done through backlog*, *Convert schedule_work into delayed_work*,
+/// *Pass skb ownership through read_skb* and three more): mainline 6.4, and 6.1 from
+/// 6.1.32. Without it the kernel's redirect backlog can stall, and on Debian 11's
+/// 5.10.262 the kernel matrix saw a stream of the SockHash redirect arrive reordered
+/// (in one of eight guest runs) and stall for good (in two of nine), where 6.1 and 6.12
+/// never did. 5.15.y took five of the eight; 6.2.y and 6.3.y ended without a release
+/// that was checked here: both count as without. A version number, not a probe: a
+/// missing fix loads and attaches like a present one. Distribution kernels are read by
+/// their upstream version (Debian's from `uname -v`, Ubuntu's from
+/// `/proc/version_signature`, as aya does).
+pub fn sockmap_fixed(v: KernelVersion) -> bool {
+    v >= KernelVersion::new(6, 4, 0)
+        || (KernelVersion::new(6, 1, 32)..KernelVersion::new(6, 2, 0)).contains(&v)
+}
+
+/// Why `auto` leaves the SockHash redirect out on kernel `v`, if it does.
+fn sockmap_unfixed(v: KernelVersion) -> Option<String> {
+    (!sockmap_fixed(v)).then(|| {
+        format!(
+            "kernel {v} lacks the 2023 sockmap fixes (6.4, 6.1.32) that the SockHash \
+             redirect needs"
+        )
+    })
 }
 
 /// `auto`'s ladder.
@@ -173,6 +223,35 @@ mod tests {
     fn root() -> bool {
         // SAFETY: geteuid has no preconditions.
         unsafe { libc::geteuid() == 0 }
+    }
+
+    #[test]
+    fn the_sockhash_redirect_needs_the_2023_sockmap_series() {
+        let v = KernelVersion::new;
+        for fixed in [
+            v(6, 1, 32),
+            v(6, 1, 192),
+            v(6, 4, 0),
+            v(6, 12, 118),
+            v(6, 18, 0),
+        ] {
+            assert!(sockmap_fixed(fixed), "{fixed}");
+            assert_eq!(sockmap_unfixed(fixed), None);
+        }
+        for unfixed in [
+            v(5, 10, 262),
+            v(5, 15, 190),
+            v(6, 1, 31),
+            v(6, 2, 16),
+            v(6, 3, 13),
+        ] {
+            assert!(!sockmap_fixed(unfixed), "{unfixed}");
+        }
+        assert_eq!(
+            sockmap_unfixed(v(5, 10, 262)).unwrap(),
+            "kernel 5.10.262 lacks the 2023 sockmap fixes (6.4, 6.1.32) that the SockHash \
+             redirect needs"
+        );
     }
 
     #[test]
