@@ -279,7 +279,7 @@ impl Direction<'_> {
                 trace!(
                     dir = self.name,
                     target,
-                    handed = h.bytes - self.dst_base,
+                    handed = h.bytes.saturating_sub(self.dst_base),
                     ?err,
                     state = h.state,
                     "still waiting for the destination"
@@ -296,7 +296,7 @@ impl Direction<'_> {
                 tokio::task::yield_now().await;
             } else {
                 if asleep.still(h) {
-                    self.wake_backlog(target, h.bytes - self.dst_base);
+                    self.wake_backlog(target, h.bytes.saturating_sub(self.dst_base));
                 }
                 tokio::time::sleep(Duration::from_micros(200)).await;
             }
