@@ -156,6 +156,8 @@ fn compare(c: Compare) -> anyhow::Result<()> {
         setups: if quick { 300 } else { 3_000 },
         wakes: if quick { 10 } else { 30 },
         wake_pause: Duration::from_millis(300),
+        churn_openers: vec![16, 64],
+        churn_duration: Duration::from_secs_f64(if quick { 1.0 } else { 3.0 }),
         idle_conns,
         nofile,
         kinds,

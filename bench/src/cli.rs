@@ -153,15 +153,18 @@ pub enum Figure {
     Memory,
     /// Round trips after an idle pause (what waking an idle connection costs).
     Wake,
+    /// Connections per second under concurrent openers, and the resets among them.
+    Churn,
 }
 
 impl Figure {
-    pub const ALL: [Figure; 5] = [
+    pub const ALL: [Figure; 6] = [
         Figure::Bulk,
         Figure::Latency,
         Figure::Setup,
         Figure::Memory,
         Figure::Wake,
+        Figure::Churn,
     ];
 }
 

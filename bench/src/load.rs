@@ -284,6 +284,107 @@ pub fn setup(t: &Target, servers: &Servers, n: usize) -> Result<(Latency, f64), 
     Ok((Latency::of(ns), rate))
 }
 
+/// What the churn's openers did in their window.
+#[derive(Clone, Debug)]
+pub struct Churn {
+    /// Connections opened end to end (the answer byte and the echo back) and closed.
+    pub completed: u64,
+    /// Opens a reset cut short (ECONNRESET, ECONNABORTED, EPIPE, or the peer's close
+    /// before the answer).
+    pub resets: u64,
+    /// Opens that failed otherwise (refused, timed out, a wrong answer).
+    pub failed: u64,
+    /// The first failure of either kind, for the log.
+    pub first_error: Option<String>,
+    pub secs: f64,
+}
+
+impl Churn {
+    pub fn conn_per_s(&self) -> f64 {
+        self.completed as f64 / self.secs
+    }
+}
+
+/// Churn: `openers` threads each open connections through `t` (connect, hello, one byte
+/// echoed), close them, and open the next at once, for `duration`. A failed open is
+/// counted, not fatal: under churn a router may run out of something, and what it does
+/// then (slow down, or reset) is what this measures.
+pub fn churn(
+    t: &Target,
+    servers: &Servers,
+    openers: usize,
+    duration: Duration,
+) -> Result<Churn, Error> {
+    let open0 = servers.open.load(Relaxed);
+    let start = Instant::now();
+    let deadline = start + duration;
+    let mut threads = Vec::with_capacity(openers);
+    for _ in 0..openers {
+        let t = t.clone();
+        let h = thread::Builder::new()
+            .name("bench-churn".into())
+            .spawn(move || {
+                let mut tally = Churn {
+                    completed: 0,
+                    resets: 0,
+                    failed: 0,
+                    first_error: None,
+                    secs: 0.0,
+                };
+                while Instant::now() < deadline {
+                    match open(&t, &[0x01]) {
+                        Ok(c) => {
+                            drop(c);
+                            tally.completed += 1;
+                        }
+                        Err(e) => {
+                            let reset = matches!(
+                                &e,
+                                Error::Io { source, .. } if matches!(
+                                    source.kind(),
+                                    std::io::ErrorKind::ConnectionReset
+                                        | std::io::ErrorKind::ConnectionAborted
+                                        | std::io::ErrorKind::BrokenPipe
+                                        | std::io::ErrorKind::UnexpectedEof
+                                )
+                            );
+                            if reset {
+                                tally.resets += 1;
+                            } else {
+                                tally.failed += 1;
+                            }
+                            tally.first_error.get_or_insert_with(|| e.to_string());
+                        }
+                    }
+                }
+                tally
+            })
+            .map_err(|e| Error::Thread(e.to_string()))?;
+        threads.push(h);
+    }
+    let mut all = Churn {
+        completed: 0,
+        resets: 0,
+        failed: 0,
+        first_error: None,
+        secs: 0.0,
+    };
+    for h in threads {
+        let one = h
+            .join()
+            .map_err(|_| Error::Thread("a churn opener panicked".into()))?;
+        all.completed += one.completed;
+        all.resets += one.resets;
+        all.failed += one.failed;
+        if all.first_error.is_none() {
+            all.first_error = one.first_error;
+        }
+    }
+    all.secs = start.elapsed().as_secs_f64();
+    settle(servers, open0);
+    Ok(all)
+}
+
 /// Opens `n` echo connections through `t` and keeps them idle; returns them (the caller
 /// measures and then drops them). Stops at the first error, returning what it opened.
 pub fn open_idle(t: &Target, n: usize) -> (Vec<TcpStream>, Option<Error>) {

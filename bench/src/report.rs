@@ -148,6 +148,26 @@ pub fn figures(run: &Run) -> Vec<Figure> {
             move |r| r.wake.iter().map(q).collect(),
         ));
     }
+    for (i, &n) in run.settings.churn_openers.iter().enumerate() {
+        f.push(Figure::new(
+            format!("churn_{n}_conn_per_s"),
+            format!("connections/s, {n} openers, unpinned"),
+            0,
+            move |r| r.churn[i].iter().map(|c| c.conn_per_s).collect(),
+        ));
+        f.push(Figure::new(
+            format!("churn_{n}_resets"),
+            format!("resets among them, {n} openers"),
+            0,
+            move |r| r.churn[i].iter().map(|c| c.resets as f64).collect(),
+        ));
+        f.push(Figure::new(
+            format!("churn_{n}_router_cpu_us"),
+            format!("router CPU per connection, {n} openers, µs"),
+            1,
+            move |r| r.churn[i].iter().map(|c| c.router_cpu_us).collect(),
+        ));
+    }
     f.push(Figure::new(
         "rss_bytes_per_idle_conn",
         format!(
@@ -361,6 +381,28 @@ pub fn goals(run: &Run) -> Vec<Goal> {
             })
         }),
     });
+    if let Some(i) = run.settings.churn_openers.iter().position(|&n| n == 16) {
+        g.push(Goal {
+            key: "churn_16_vs_nginx",
+            text: "connections/s under 16 openers ≥ nginx's, 0 resets (in any run)",
+            judge: Box::new(move |run, kind| {
+                let figs = figures(run);
+                let f = fig(&figs, "churn_16_conn_per_s")?;
+                let ratio = median_of(run, kind, f) / median_of(run, Kind::Nginx, f);
+                let most_resets = find(run, kind)?
+                    .churn
+                    .get(i)?
+                    .iter()
+                    .map(|c| c.resets)
+                    .max()?;
+                ratio.is_finite().then(|| Verdict {
+                    value: ratio,
+                    text: format!("{ratio:.2}×, {most_resets} resets"),
+                    met: ratio >= 1.0 && most_resets == 0,
+                })
+            }),
+        });
+    }
     g
 }
 
@@ -429,7 +471,7 @@ pub fn markdown(run: &Run, machine: &Value) -> String {
     );
     let _ = writeln!(
         out,
-        "- {} repetition(s), each figure median (min–max); bulk {} s after {} ms warm-up; ping-pong {} round trips after {}; setup {} sequential connections; wake: {} round trips, each after {} ms idle; memory: {} idle connections on a fresh router; pinned: every process on CPU {}",
+        "- {} repetition(s), each figure median (min–max); bulk {} s after {} ms warm-up; ping-pong {} round trips after {}; setup {} sequential connections; wake: {} round trips, each after {} ms idle; churn: {:?} threads each opening connections (connect, hello, one byte echoed) and closing them back to back for {} s; memory: {} idle connections on a fresh router; pinned: every process on CPU {}",
         s.reps,
         s.duration.as_secs_f64(),
         s.warmup.as_millis(),
@@ -438,6 +480,8 @@ pub fn markdown(run: &Run, machine: &Value) -> String {
         s.setups,
         s.wakes,
         s.wake_pause.as_millis(),
+        s.churn_openers,
+        s.churn_duration.as_secs_f64(),
         s.idle_conns,
         s.pin_cpu
     );
@@ -566,6 +610,7 @@ pub fn json(run: &Run, machine: &Value) -> Value {
             "reps": s.reps, "bulk_secs": s.duration.as_secs_f64(), "bulk_warmup_secs": s.warmup.as_secs_f64(),
             "bulk_conns": s.bulk_conns, "pings": s.pings, "pings_warmup": s.pings_warmup,
             "wakes": s.wakes, "wake_pause_ms": s.wake_pause.as_millis(),
+            "churn_openers": s.churn_openers, "churn_secs": s.churn_duration.as_secs_f64(),
             "ping_bytes": crate::load::PING_LEN, "setups": s.setups, "idle_conns": s.idle_conns,
             "pin_cpu": s.pin_cpu, "hello": "replayed rustls 0.23 ClientHello, X25519MLKEM768 + X25519 key shares",
             "hello_bytes": crate::hello::len(),
@@ -599,6 +644,13 @@ pub fn json(run: &Run, machine: &Value) -> Value {
                     "setup_unpinned": r.setup[0].iter().map(setup_json).collect::<Vec<_>>(),
                     "wake_unpinned": r.wake.iter().map(latency_json).collect::<Vec<_>>(),
                     "setup_pinned": r.setup[1].iter().map(setup_json).collect::<Vec<_>>(),
+                    "churn": s.churn_openers.iter().zip(&r.churn).map(|(n, runs)| json!({
+                        "openers": n,
+                        "runs": runs.iter().map(|c| json!({
+                            "conn_per_s": c.conn_per_s, "resets": c.resets, "failed": c.failed,
+                            "router_cpu_us_per_conn": c.router_cpu_us,
+                        })).collect::<Vec<_>>(),
+                    })).collect::<Vec<_>>(),
                     "memory": r.memory.iter().map(|m| json!({
                         "rss_before_bytes": m.rss_before, "rss_after_bytes": m.rss_after,
                         "opened": m.opened, "wanted": m.wanted, "bytes_per_conn": m.per_conn(), "error": m.error, "parked": m.parked,

@@ -105,10 +105,10 @@ impl Kind {
             .find(|k| k.name() == s)
     }
 
-    /// Whether `figure` measures this router. The experiment's setup and memory would
-    /// measure its Python proxy, not the splice, so it has neither.
+    /// Whether `figure` measures this router. The experiment's setup, churn and memory
+    /// would measure its Python proxy, not the splice, so it has none of them.
     pub fn measures(self, figure: Figure) -> bool {
-        self != Kind::TcRewrite || !matches!(figure, Figure::Setup | Figure::Memory)
+        self != Kind::TcRewrite || !matches!(figure, Figure::Setup | Figure::Churn | Figure::Memory)
     }
 
     /// A waypoint dataplane (the rows the goals apply to).
@@ -500,12 +500,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_experiment_is_only_run_by_name_and_without_setup_or_memory() {
+    fn the_experiment_is_only_run_by_name_and_without_setup_churn_or_memory() {
         assert_eq!(Kind::parse("tc-rewrite"), Some(Kind::TcRewrite));
         assert!(!Kind::ALL.contains(&Kind::TcRewrite));
         assert!(!Kind::TcRewrite.is_waypoint());
         for f in Figure::ALL {
-            let expected = !matches!(f, Figure::Setup | Figure::Memory);
+            let expected = !matches!(f, Figure::Setup | Figure::Churn | Figure::Memory);
             assert_eq!(Kind::TcRewrite.measures(f), expected, "{f:?}");
             assert!(Kind::Ebpf.measures(f), "{f:?}");
         }

@@ -30,6 +30,10 @@ pub struct Settings {
     /// Round trips of the wake figure, each after `wake_pause` idle.
     pub wakes: usize,
     pub wake_pause: Duration,
+    /// Concurrent openers of the churn figure, one run each.
+    pub churn_openers: Vec<usize>,
+    /// How long each churn run opens connections.
+    pub churn_duration: Duration,
     pub idle_conns: usize,
     /// RLIMIT_NOFILE of this process and the routers.
     pub nofile: u64,
@@ -83,6 +87,19 @@ pub struct SetupRun {
     pub bench_cpu_us: f64,
 }
 
+/// One run of the churn figure.
+#[derive(Clone, Debug)]
+pub struct ChurnRun {
+    pub conn_per_s: f64,
+    /// Opens cut short by a reset.
+    pub resets: u64,
+    /// Opens that failed otherwise.
+    pub failed: u64,
+    /// CPU time the router's processes ran per completed connection, µs (NaN: no
+    /// router).
+    pub router_cpu_us: f64,
+}
+
 /// Everything measured for one router.
 #[derive(Debug)]
 pub struct Results {
@@ -95,6 +112,8 @@ pub struct Results {
     pub setup: [Vec<SetupRun>; 2],
     /// Round trips after an idle pause, unpinned.
     pub wake: Vec<Latency>,
+    /// Per opener count in `Settings::churn_openers` order, unpinned.
+    pub churn: Vec<Vec<ChurnRun>>,
     pub memory: Vec<Memory>,
     pub errors: Vec<String>,
 }
@@ -160,6 +179,7 @@ pub fn run(s: Settings, servers: &Servers) -> anyhow::Result<Run> {
             ping: [Vec::new(), Vec::new()],
             setup: [Vec::new(), Vec::new()],
             wake: Vec::new(),
+            churn: vec![Vec::new(); s.churn_openers.len()],
             memory: Vec::new(),
             errors: Vec::new(),
         })
@@ -375,6 +395,53 @@ fn measure(
         if pinned {
             if let Err(e) = sys::pin(&[me], None) {
                 out.errors.push(format!("rep {rep} unpinning: {e}"));
+            }
+        }
+    }
+    if !s.wants(Figure::Churn) || !r.kind.measures(Figure::Churn) {
+        return;
+    }
+    for (i, &openers) in s.churn_openers.iter().enumerate() {
+        let cpu_before = r.pid().map(sys::cpu_ns_tree);
+        match load::churn(&r.echo, servers, openers, s.churn_duration) {
+            Ok(c) => {
+                // The waypoint's end of each connection too, and none of it in the next
+                // run (the rewrite splice's comes 3 s after the close).
+                if let Some(admin) = r.admin {
+                    if !crate::scale::wait_closed(admin, crate::scale::CLOSE_WAIT) {
+                        out.errors.push(format!(
+                            "rep {rep} churn x{openers}: connections still open {:?} after the run",
+                            crate::scale::CLOSE_WAIT
+                        ));
+                    }
+                }
+                let router_cpu_us = match (r.pid(), cpu_before) {
+                    (Some(pid), Some(before)) if c.completed > 0 => {
+                        sys::cpu_ns_tree(pid).saturating_sub(before) as f64
+                            / 1e3
+                            / c.completed as f64
+                    }
+                    _ => f64::NAN,
+                };
+                eprintln!(
+                    "[rep {rep}] {name:<8} churn x{openers:<3} {:.0} conn/s, {} resets, {} failed; router CPU per conn {router_cpu_us:.1} µs{}",
+                    c.conn_per_s(),
+                    c.resets,
+                    c.failed,
+                    c.first_error
+                        .as_ref()
+                        .map_or(String::new(), |e| format!("; first failure: {e}"))
+                );
+                out.churn[i].push(ChurnRun {
+                    conn_per_s: c.conn_per_s(),
+                    resets: c.resets,
+                    failed: c.failed,
+                    router_cpu_us,
+                });
+            }
+            Err(e) => {
+                eprintln!("[rep {rep}] {name:<8} churn x{openers} FAILED: {e}");
+                out.errors.push(format!("rep {rep} churn x{openers}: {e}"));
             }
         }
     }
