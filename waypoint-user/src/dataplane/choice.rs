@@ -228,24 +228,21 @@ mod tests {
     #[test]
     fn the_sockhash_redirect_needs_the_2023_sockmap_series() {
         let v = KernelVersion::new;
-        for fixed in [
-            v(6, 1, 32),
-            v(6, 1, 192),
-            v(6, 4, 0),
-            v(6, 12, 118),
-            v(6, 18, 0),
-        ] {
-            assert!(sockmap_fixed(fixed), "{fixed}");
-            assert_eq!(sockmap_unfixed(fixed), None);
-        }
-        for unfixed in [
-            v(5, 10, 262),
-            v(5, 15, 190),
-            v(6, 1, 31),
-            v(6, 2, 16),
-            v(6, 3, 13),
-        ] {
-            assert!(!sockmap_fixed(unfixed), "{unfixed}");
+        let kernels = [
+            (v(5, 10, 262), false),
+            (v(5, 15, 190), false),
+            (v(6, 1, 31), false),
+            (v(6, 1, 32), true),
+            (v(6, 1, 192), true),
+            (v(6, 2, 16), false),
+            (v(6, 3, 13), false),
+            (v(6, 4, 0), true),
+            (v(6, 12, 118), true),
+            (v(6, 18, 0), true),
+        ];
+        for (kernel, fixed) in kernels {
+            assert_eq!(sockmap_fixed(kernel), fixed, "{kernel}");
+            assert_eq!(sockmap_unfixed(kernel).is_none(), fixed, "{kernel}");
         }
         assert_eq!(
             sockmap_unfixed(v(5, 10, 262)).unwrap(),

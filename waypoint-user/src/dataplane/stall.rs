@@ -301,7 +301,14 @@ mod tests {
         let (mut client, down) = pair();
         let (up, _pod) = pair();
         client.write_all(&[1u8; 1000]).unwrap();
-        std::thread::sleep(Duration::from_millis(50));
+        // Still counts: the bytes landed in `down` and the client has its ack.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !(tcp_info(&down).unwrap().tcpi_bytes_received == 1000
+            && unsent_or_unacked(&client).unwrap() == 0)
+        {
+            assert!(Instant::now() < deadline, "the bytes never landed");
+            std::thread::yield_now();
+        }
         let tick = Duration::from_millis(500);
         let start = Instant::now();
 
