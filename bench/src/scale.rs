@@ -297,7 +297,7 @@ pub fn run(s: &Settings) -> anyhow::Result<(String, Value, bool)> {
     std::thread::sleep(Duration::from_secs(2));
     let admins: Vec<SocketAddr> = routers.iter().filter_map(|r| r.admin).collect();
     let parked = wait_parked(&admins, opened, PARK_WAIT);
-    // Connections spliced by rewriting (`--rewrite-splice`) are not parked: counted apart.
+    // Connections rewritten (`--rewrite-splice`) are not parked: counted apart.
     let rewritten: Option<f64> = admins
         .iter()
         .map(|&a| metric(a, "waypoint_rewrite_live"))
@@ -384,7 +384,7 @@ pub fn run(s: &Settings) -> anyhow::Result<(String, Value, bool)> {
         mib(rss_before),
         mib(rss_peak),
         parked.map_or("–".into(), |p| format!("{p:.0}")),
-        rewritten.map_or(String::new(), |r| format!(", {r:.0} spliced by rewriting")),
+        rewritten.map_or(String::new(), |r| format!(", {r:.0} rewritten")),
         if drained { "yes" } else { "NO" },
         if alive { "yes" } else { "NO" },
     ));

@@ -3,7 +3,7 @@
 //! Everything here is `#[repr(C)]` with explicit padding: the verifier rejects reads of
 //! uninitialised padding, and both sides must agree on the layout byte for byte.
 //!
-//! The in-kernel splice keeps one [`Flow`] record per spliced socket, in a slot of the
+//! The in-kernel splice keeps one [`Flow`] record per redirected socket, in a slot of the
 //! `FLOWS` array that the daemon maps into its memory: the daemon sets a socket's budget
 //! and reads its counters with plain memory accesses, not syscalls. `SLOTS` maps a
 //! socket's cookie (`SO_COOKIE`) to its slot.
@@ -19,7 +19,7 @@ pub const SLOTS_MAP: &str = "SLOTS";
 pub const FLOWS_MAP: &str = "FLOWS";
 /// Name of the per-CPU array of verdict statistics, indexed by [`Stat`].
 pub const STATS_MAP: &str = "STATS";
-/// Name of the ring buffer through which the verdict tells the daemon that a spliced
+/// Name of the ring buffer through which the verdict tells the daemon that a redirected
 /// socket has bytes for it to read (see [`Signal`]).
 pub const SIGNALS_MAP: &str = "SIGNALS";
 /// Size of [`SIGNALS_MAP`] in bytes (a power of two, whole pages): 16,384 records of 16
@@ -48,11 +48,11 @@ pub const TCP_COPIED_SEQ_OFFSET: &str = "TCP_COPIED_SEQ_OFFSET";
 /// userspace.
 pub const TRIM_LIMIT: &str = "TRIM_LIMIT";
 
-/// Default capacity of the per-socket maps (two sockets per spliced connection). The
+/// Default capacity of the per-socket maps (two sockets per redirected connection). The
 /// daemon resizes them at load time from its connection limit.
 pub const DEFAULT_MAX_SOCKETS: u32 = 262_144;
 
-/// One spliced socket's record: the limits userspace sets, and what the verdict did with
+/// One redirected socket's record: the limits userspace sets, and what the verdict did with
 /// the bytes arriving on the socket. Each field has one writer, so neither side ever
 /// overwrites the other's updates.
 ///
@@ -66,7 +66,7 @@ pub const DEFAULT_MAX_SOCKETS: u32 = 262_144;
 /// receive buffer, the sender's window closes, and userspace forwards it with ordinary
 /// flow control.
 ///
-/// Every byte that arrives on a spliced socket is counted exactly once, either as
+/// Every byte that arrives on a redirected socket is counted exactly once, either as
 /// `redirected` (sent to the peer's egress in the kernel) or as `passed` (left in this
 /// socket's receive queue for userspace to read and forward).
 #[repr(C)]
@@ -116,8 +116,8 @@ pub struct Skip {
 
 /// A ring-buffer record: the socket in flow slot `slot` has bytes for userspace, and
 /// userspace had read everything before. The daemon waits for these instead of waiting
-/// for its spliced sockets to turn readable: the kernel wakes readers of a spliced socket
-/// after every segment, also one it redirected away, so a spliced connection would
+/// for its redirected sockets to turn readable: the kernel wakes readers of a redirected socket
+/// after every segment, also one it redirected away, so a redirected connection would
 /// wake its thread once per segment.
 ///
 /// One record per switch from redirecting to passing, not per passed segment: while
@@ -226,7 +226,7 @@ pub const REWRITE_FILLS_MAP: &str = "REWRITE_FILLS";
 /// acknowledgement of the stranded bytes it carried (each lasts about one round trip).
 /// A hand-over that finds it full resets both ends, counted as stranded.
 pub const REWRITE_FILLS_CAPACITY: u32 = 4096;
-/// Default capacity of [`REWRITES_MAP`] (two entries per spliced connection); the
+/// Default capacity of [`REWRITES_MAP`] (two entries per rewritten connection); the
 /// daemon sets it to its socket maps' capacity at load time. Entries are allocated as
 /// they are inserted.
 pub const DEFAULT_MAX_REWRITES: u32 = DEFAULT_MAX_SOCKETS;
@@ -248,7 +248,7 @@ pub struct RewriteKey {
     pub dport: u16,
 }
 
-/// One direction of a connection spliced by rewriting headers: the packets the client
+/// One direction of a connection rewritten headers: the packets the client
 /// sends to the waypoint's accepted socket (A) leave as if the waypoint's socket to the
 /// pod (B) had sent them, and the pod's packets to B leave as if A had sent them. Client
 /// and pod then talk through one TCP connection's worth of kernel work, and neither of
@@ -361,7 +361,7 @@ pub enum RewriteStat {
     /// Packets whose TCP options could not be parsed whole: rewritten without their
     /// timestamps or SACK blocks translated. Never expected from Linux peers.
     BadOptions = 2,
-    /// SYNs with a spliced 4-tuple: both entries removed, the SYN passed on.
+    /// SYNs with a rewritten 4-tuple: both entries removed, the SYN passed on.
     Syn = 3,
     /// Rewritten packets with no route to their new destination (or too big for it):
     /// dropped, and left to TCP's retransmission.
@@ -370,7 +370,7 @@ pub enum RewriteStat {
     /// `next_seq` 8 times in a row while this one tried to (see the program's
     /// `advance`). Counted also in `Rewritten`.
     Uncounted = 5,
-    /// Packets looked up in the rewrite map: those to a port that clients of spliced
+    /// Packets looked up in the rewrite map: those to a port that clients of rewritten
     /// connections send to, or from a port that their pods send from (see
     /// [`REWRITE_PORTS_MAP`]). Every other TCP packet of the node is let through on two
     /// array reads.

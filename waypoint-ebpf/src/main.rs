@@ -1,6 +1,6 @@
 //! The waypoint's in-kernel splice.
 //!
-//! One SK_SKB stream verdict program over one SockHash. Each spliced socket is stored in
+//! One SK_SKB stream verdict program over one SockHash. Each redirected socket is stored in
 //! `PEERS` under its **peer's** cookie, so a segment arriving on socket A is redirected to
 //! the egress of `PEERS[cookie(A)]` = B, and bytes flow A→B without reaching userspace.
 //!
@@ -100,7 +100,7 @@ fn count(stat: Stat) {
 }
 
 /// Passes `len` bytes to userspace, and tells it so if it had read everything before:
-/// userspace does not wait for its spliced sockets to turn readable (see
+/// userspace does not wait for its redirected sockets to turn readable (see
 /// `waypoint_common::Signal`). Counting first, so that a woken reader sees the bytes
 /// counted (the kernel queues them right after the verdict returns).
 #[inline(always)]

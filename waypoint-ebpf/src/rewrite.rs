@@ -390,7 +390,7 @@ fn diverted(ctx: &TcContext, r: &mut Rewrite, key: &RewriteKey, ack: u32, bits: 
     true
 }
 
-/// Rewrites the packet if it belongs to a spliced connection, and returns the 4-tuple
+/// Rewrites the packet if it belongs to a rewritten connection, and returns the 4-tuple
 /// it now has; None if it is not ours (or is a SYN that ended the splice).
 #[inline(always)]
 fn rewrite(ctx: &TcContext) -> Option<RewriteKey> {
@@ -407,7 +407,7 @@ fn rewrite(ctx: &TcContext) -> Option<RewriteKey> {
     if h.proto != ETH_P_IP.to_be() || h.ver_ihl != 0x45 || h.protocol != IPPROTO_TCP {
         return None;
     }
-    // A SYN-ACK answers the SYN of a new connection, never a packet of a spliced one
+    // A SYN-ACK answers the SYN of a new connection, never a packet of a rewritten one
     // (whose 4-tuples the waypoint's sockets hold): no lookup. Each new connection has
     // two, and a new 4-tuple's lookup is a cold one.
     if h.flags & (SYN | ACK) == SYN | ACK {
@@ -440,7 +440,7 @@ fn rewrite(ctx: &TcContext) -> Option<RewriteKey> {
         dport: w.to.sport,
     };
     if h.flags & SYN != 0 {
-        // A new connection with a spliced 4-tuple: the spliced one is gone (the client
+        // A new connection with a rewritten 4-tuple: the rewritten one is gone (the client
         // reuses its port). Let the SYN through to the listener, and forget the splice.
         count(RewriteStat::Syn);
         let _ = REWRITES.remove(&key);

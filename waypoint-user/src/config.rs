@@ -367,7 +367,7 @@ pub struct Config {
     #[arg(long, env = "WAYPOINT_MAX_INFLIGHT", value_parser = parse_bytes, default_value = "4MiB")]
     pub max_inflight: u64,
 
-    /// eBPF dataplane: force the send and receive buffers of spliced sockets to this size
+    /// eBPF dataplane: force the send and receive buffers of redirected sockets to this size
     /// (SO_SNDBUFFORCE/SO_RCVBUFFORCE), at most 1GiB. Unset keeps the kernel's autotuning.
     #[arg(long, env = "WAYPOINT_SOCKET_BUFFER", value_parser = parse_socket_buffer)]
     pub socket_buffer: Option<u64>,
@@ -392,9 +392,10 @@ pub struct Config {
     /// eBPF dataplane: copy each connection in userspace until both directions together
     /// have carried this many bytes, then move it into the kernel. A socket in the
     /// SockHash costs about 20 µs to set up and tear down, more than a short connection
-    /// gains. 0 moves every connection into the kernel at once.
-    #[arg(long, env = "WAYPOINT_SPLICE_AFTER", value_parser = parse_bytes, default_value = "16KiB")]
-    pub splice_after: u64,
+    /// gains. 0 moves every connection into the kernel at once. Also accepted as
+    /// `--splice-after`.
+    #[arg(long, alias = "splice-after", env = "WAYPOINT_MOVE_AFTER", value_parser = parse_bytes, default_value = "16KiB")]
+    pub move_after: u64,
 
     /// eBPF dataplane (experimental): splice each connection by rewriting its packets'
     /// headers in a TC program on every interface of the node (also those added later),
@@ -423,7 +424,7 @@ pub struct Config {
     pub max_lifetime: Option<Duration>,
 
     /// Park a connection that moved no byte for this long (copy dataplane, and the eBPF
-    /// dataplane before --splice-after): its sockets leave tokio's reactor for its
+    /// dataplane before --move-after): its sockets leave tokio's reactor for its
     /// worker's epoll set, and its copy state is freed, until a byte or a hang-up arrives
     /// or its idle timeout or lifetime falls due. Its first byte after that pays the
     /// wake: four epoll_ctl calls and a task switch on the worker (a 64 B round trip
@@ -442,7 +443,7 @@ pub struct Config {
     /// this after its bytes stopped. In the SockHash, a stalled connection whose kernel
     /// count of read bytes ran ahead (a repeat the verdict could not cut) is reset on both
     /// sides (end="stranded"): nothing else would hand its bytes on. Does not apply to
-    /// connections spliced by --rewrite-splice (the daemon's sockets carry no byte). 0
+    /// connections rewritten by --rewrite-splice (the daemon's sockets carry no byte). 0
     /// never checks.
     #[arg(long, env = "WAYPOINT_STALL_AFTER", value_parser = parse_duration, default_value = "10s")]
     pub stall_after: Duration,
@@ -463,7 +464,7 @@ impl Config {
     ///   also SO_SNDBUFFORCE for `--bulk-send-buffer` and `--socket-buffer`) and
     ///   `PERFMON` (the verdict's `bpf_probe_read_kernel` for the repeat check; without
     ///   it the daemon warns and runs without the check).
-    /// - `--rewrite-splice` adds `NET_RAW`: it resets a spliced connection's ends from a
+    /// - `--rewrite-splice` adds `NET_RAW`: it resets a rewritten connection's ends from a
     ///   raw socket (its TCP_REPAIR and TC programs are `NET_ADMIN`'s).
     /// - `splice` and `copy` need none.
     pub fn capabilities(&self) -> std::collections::BTreeSet<&'static str> {
@@ -545,7 +546,7 @@ impl Config {
                 .map(|b| usize::try_from(b).unwrap_or(usize::MAX)),
             bulk_send_buffer: usize::try_from(self.bulk_send_buffer).unwrap_or(usize::MAX),
             max_sockets: self.max_sockets,
-            splice_after: self.splice_after,
+            move_after: self.move_after,
             rewrite_splice: self.rewrite_splice,
             pod_port: Some(self.pod_port),
             ..dataplane::ebpf::Config::default()
@@ -647,6 +648,21 @@ mod tests {
         };
         assert!(e.to_string().contains("1024"), "{e}");
         assert!(parse("-1").is_err());
+    }
+
+    /// `--move-after` is the flag; `--splice-after` stays an alias, so manifests that
+    /// name it keep working.
+    #[test]
+    fn move_after_takes_its_old_name_too() {
+        use clap::Parser as _;
+        #[derive(clap::Parser)]
+        struct Args {
+            #[command(flatten)]
+            config: Config,
+        }
+        let parse = |flag: &str| Args::try_parse_from(["waypoint", flag, "1MiB"]).unwrap();
+        assert_eq!(parse("--move-after").config.move_after, 1 << 20);
+        assert_eq!(parse("--splice-after").config.move_after, 1 << 20);
     }
 
     #[test]

@@ -28,6 +28,7 @@ mod program_runs;
 pub mod rewrite;
 mod send_buffer;
 mod signals;
+mod socket_io;
 pub mod splice;
 mod stall;
 mod tally;
@@ -36,6 +37,7 @@ mod watch;
 pub use stall::DEFAULT_STALL_AFTER;
 
 pub(crate) use crate::sys::{queued, tcp_info, unsent_or_unacked};
+pub(crate) use socket_io::{read_now, write_all, write_now};
 
 use std::{
     future::Future,
@@ -84,7 +86,7 @@ pub struct Limits {
     /// see [`forced_end`]).
     pub max_lifetime: Option<Duration>,
     /// Park a connection in the copy (the copy dataplane, or the eBPF dataplane before
-    /// `--splice-after`) once no byte moved for this long (None: never). See [`park`].
+    /// `--move-after`) once no byte moved for this long (None: never). See [`park`].
     pub park_after: Option<Duration>,
     /// Count and log a connection that holds bytes between its peers, none of which
     /// moved for this long, towards a destination that waits on nothing (None: never).
@@ -357,31 +359,6 @@ pub(crate) fn abort_on_close(sock: &impl AsFd) {
     let _ = socket2::SockRef::from(sock).set_linger(Some(Duration::ZERO));
 }
 
-/// Reads what `sock` holds now, without waiting, whatever tokio's readiness cache says:
-/// tokio's `try_read` does not even try while its reactor has not yet seen the socket
-/// readable, and would leave behind bytes that arrived since the reactor last turned.
-/// Reading behind tokio's back is safe: a stale "readable" costs one WouldBlock later.
-pub(crate) fn read_now(sock: &impl AsFd, buf: &mut [u8]) -> io::Result<usize> {
-    use std::io::Read as _;
-    (&*socket2::SockRef::from(sock)).read(buf)
-}
-
-/// Writes what `sock` takes now, without waiting, whatever tokio's readiness cache says
-/// (see [`read_now`]): a socket just registered with the reactor is not yet known
-/// writable, and tokio's own write would wait a turn of the event loop for it.
-pub(crate) fn write_now(sock: &impl AsFd, buf: &[u8]) -> io::Result<usize> {
-    use std::io::Write as _;
-    (&*socket2::SockRef::from(sock)).write(buf)
-}
-
-/// Writes all of `buf` to `sock`: what it takes at once with [`write_now`], the rest
-/// through tokio.
-pub(crate) async fn write_all_soon(sock: &mut TcpStream, buf: &[u8]) -> io::Result<()> {
-    use tokio::io::AsyncWriteExt as _;
-    let done = write_all_now(sock, buf)?;
-    sock.write_all(&buf[done..]).await
-}
-
 /// A connection as the router hands it over: registered with tokio's reactor only if
 /// the router had to wait on it. The client's hello is usually whole when its connection
 /// is accepted (the listener defers the accept until data came), and a pod on this node
@@ -424,36 +401,11 @@ impl Socket {
     /// unregistered socket is registered only while it has to be waited for, and stays
     /// the caller's whatever happens (the rewrite hand-over must silence it before it
     /// closes).
-    pub(crate) async fn write_all_soon(&mut self, buf: &[u8]) -> io::Result<()> {
-        let s = match self {
-            Socket::Registered(s) => return write_all_soon(s, buf).await,
-            Socket::Ready(s) => s,
-        };
-        let mut done = write_all_now(s, buf)?;
-        if done == buf.len() {
-            return Ok(());
+    pub(crate) async fn write_all(&mut self, buf: &[u8]) -> io::Result<()> {
+        match self {
+            Socket::Registered(s) => socket_io::write_all(s, buf).await,
+            Socket::Ready(s) => socket_io::write_all_unregistered(s, buf).await,
         }
-        // SAFETY: the descriptor is borrowed from `s`, which stays open, the same socket,
-        // for as long as `waiter` (dropped within this call) exists.
-        let waiter = unsafe {
-            tokio::io::unix::AsyncFd::register_with_interest(
-                s.as_fd(),
-                tokio::io::Interest::WRITABLE,
-            )
-        }
-        .map_err(|e| e.into_parts().1)?;
-        while done < buf.len() {
-            let mut ready = waiter.writable().await?;
-            match ready.try_io(|_| write_now(s, &buf[done..])) {
-                Ok(Ok(0)) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(Ok(n)) => done += n,
-                Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => {}
-                Ok(Err(e)) => return Err(e),
-                // Not writable after all: wait again.
-                Err(_) => {}
-            }
-        }
-        Ok(())
     }
 }
 
@@ -476,27 +428,6 @@ impl AsFd for Socket {
             Socket::Registered(s) => s.as_fd(),
         }
     }
-}
-
-/// Writes what `sock` takes now of `buf`, retrying interrupted writes, and never waits:
-/// the one "as much as goes at once" write of the dataplanes. Returns how much went:
-/// less than all when the socket would block, or when an error came after some bytes
-/// went (those bytes are on their way; the error comes back on the next write). An error
-/// before any byte went is returned.
-pub(crate) fn write_all_now(sock: &impl AsFd, buf: &[u8]) -> io::Result<usize> {
-    let mut done = 0;
-    while done < buf.len() {
-        match write_now(sock, &buf[done..]) {
-            Ok(0) if done == 0 => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(0) => break,
-            Ok(n) => done += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-            Err(e) if done == 0 => return Err(e),
-            Err(_) => break,
-        }
-    }
-    Ok(done)
 }
 
 /// `TCP_ESTABLISHED` from include/net/tcp_states.h (`tcp_info::tcpi_state`).
@@ -694,66 +625,5 @@ where
         if d2u_done && u2d_done {
             return End::Closed;
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #![allow(clippy::unwrap_used, reason = "tests")]
-    use super::*;
-    use tokio::io::AsyncReadExt as _;
-
-    /// A nonblocking, unregistered sender with a 4 KiB send buffer, a task that reads all
-    /// its peer receives, and 4 MiB to send: far more than the socket takes at once.
-    async fn small_buffer_sender() -> (
-        std::net::TcpStream,
-        tokio::task::JoinHandle<Vec<u8>>,
-        Vec<u8>,
-    ) {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let sender = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-        sender.set_nonblocking(true).unwrap();
-        socket2::SockRef::from(&sender)
-            .set_send_buffer_size(4096)
-            .unwrap();
-        let (mut receiver, _) = listener.accept().await.unwrap();
-        let reader = tokio::spawn(async move {
-            let mut got = Vec::new();
-            receiver.read_to_end(&mut got).await.unwrap();
-            got
-        });
-        let data: Vec<u8> = (0..4 << 20).map(|i: u32| (i % 251) as u8).collect();
-        (sender, reader, data)
-    }
-
-    /// What the socket does not take at once goes through tokio, in order, and all of it
-    /// arrives.
-    #[tokio::test]
-    async fn write_all_soon_writes_everything_in_order() {
-        let (sender, reader, data) = small_buffer_sender().await;
-        let mut sender = TcpStream::from_std(sender).unwrap();
-        write_all_soon(&mut sender, &data).await.unwrap();
-        drop(sender);
-        assert!(reader.await.unwrap() == data, "bytes lost or out of order");
-    }
-
-    /// An unregistered pod socket whose send buffer fills: the writer waits for it to
-    /// drain (registering it only for that), loses nothing, and hands the socket back
-    /// still unregistered and usable.
-    #[tokio::test]
-    async fn ready_upstream_writes_everything_and_stays_unregistered() {
-        let (sender, reader, data) = small_buffer_sender().await;
-        let mut up = Socket::Ready(sender);
-        up.write_all_soon(&data).await.unwrap();
-        up.write_all_soon(b"tail").await.unwrap();
-        let Socket::Ready(sender) = up else {
-            panic!("the socket was left registered");
-        };
-        // Registering it now succeeds only if the writer took it out of the reactor.
-        let sender = TcpStream::from_std(sender).unwrap();
-        drop(sender);
-        let mut want = data;
-        want.extend_from_slice(b"tail");
-        assert!(reader.await.unwrap() == want, "bytes lost or out of order");
     }
 }

@@ -167,7 +167,7 @@ impl Collector for DataplaneCollector {
             family(
                 &mut encoder,
                 "ebpf_connections",
-                "eBPF connections by path: moved = carried --splice-after bytes in the \
+                "eBPF connections by path: moved = carried --move-after bytes in the \
                  userspace copy and went on to enter the SockHash; fallback = could not \
                  enter it (half-closed, maps full) and were copied to the end, moved ones \
                  included",
@@ -178,7 +178,7 @@ impl Collector for DataplaneCollector {
             family(
                 &mut encoder,
                 "ebpf_signals",
-                "The verdict's signals that a quiet spliced socket has bytes for the daemon: \
+                "The verdict's signals that a quiet redirected socket has bytes for the daemon: \
                  read = taken from the ring buffer; lost = dropped by a full ring; sweeps = \
                  times every waiting connection was woken to look for itself after a loss",
                 [("read", read), ("lost", lost), ("sweeps", sweeps)]
@@ -192,13 +192,13 @@ impl Collector for DataplaneCollector {
                 family(
                     &mut encoder,
                     "rewrite_connections",
-                    "Connections offered to the rewrite splice (--rewrite-splice): spliced; \
+                    "Connections offered to the rewrite (--rewrite-splice): rewritten; \
                      refused_* = handed to the SockHash (not_ipv4, options, busy, setup, local); \
-                     filled = spliced, and the waypoint's socket carried bytes the client \
+                     filled = rewritten, and the waypoint's socket carried bytes the client \
                      sent during the hand-over; stranded = a packet reached the waypoint's \
                      socket during the hand-over that it could not carry, both ends reset",
                     [
-                        ("spliced", counts.spliced),
+                        ("rewritten", counts.rewritten),
                         ("filled", counts.filled),
                         ("stranded", counts.stranded),
                     ]
@@ -209,9 +209,9 @@ impl Collector for DataplaneCollector {
                 family(
                     &mut encoder,
                     "rewrite_packets",
-                    "Packets of spliced connections seen by the rewrite program, by what it \
+                    "Packets of rewritten connections seen by the rewrite program, by what it \
                      did with them; looked_up counts every packet to or from a port of a \
-                     spliced connection, which the program looks up in its map (it lets \
+                     rewritten connection, which the program looks up in its map (it lets \
                      every other packet of the node through on a check of its ports)",
                     stats.iter().map(|&(stat, n)| {
                         let action = stat.label();
@@ -221,7 +221,7 @@ impl Collector for DataplaneCollector {
                 single(
                     &mut encoder,
                     "rewrite_live",
-                    "Connections spliced by rewriting whose map entries are in: open, or \
+                    "Connections rewritten whose map entries are in: open, or \
                      ended and lingering (3 s, for a last ACK or a resent FIN)",
                     gauge(counts.live),
                 )?;
@@ -237,14 +237,14 @@ impl Collector for DataplaneCollector {
                     &mut encoder,
                     "rewrite_attach_failures",
                     "Interfaces added after start that the rewrite program could not be \
-                     attached to (logged); a pod answering through one is not spliced \
+                     attached to (logged); a pod answering through one is not rewritten \
                      correctly",
                     counter(links.failed),
                 )?;
                 single(
                     &mut encoder,
                     "rewrite_recorded",
-                    "Connections spliced by rewriting whose sequence numbers came from the \
+                    "Connections rewritten whose sequence numbers came from the \
                      kernel's records of their handshakes; the rest were read with socket \
                      options (repair mode), which costs about 17 more system calls each",
                     counter(counts.recorded),

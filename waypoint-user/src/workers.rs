@@ -10,10 +10,7 @@
 
 use std::{net::SocketAddr, sync::Arc, thread::JoinHandle};
 
-use tokio::{
-    io::{unix::AsyncFd, Interest},
-    sync::oneshot,
-};
+use tokio::{io::Interest, sync::oneshot};
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use tracing::{info, warn, Instrument as _};
 
@@ -201,10 +198,7 @@ impl Workers {
             let listener = {
                 let _entered = runtime.enter();
                 // Accepted sockets come out unregistered (see `dataplane::Socket`).
-                // SAFETY: the listener is moved into the AsyncFd, which owns its
-                // descriptor, open and the same, until it is dropped.
-                unsafe { AsyncFd::register_with_interest(std_listener, Interest::READABLE) }
-                    .map_err(|e| start(e.into_parts().1))?
+                crate::sys::register(std_listener, Interest::READABLE).map_err(start)?
             };
             ready.push((runtime, listener));
         }

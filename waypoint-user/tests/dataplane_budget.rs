@@ -169,7 +169,7 @@ fn budget_dataplane(max_inflight: u64) -> Arc<Dataplane> {
     Arc::new(Dataplane::Ebpf(Arc::new(
         ebpf::Ebpf::load(ebpf::Config {
             max_inflight,
-            splice_after: 0,
+            move_after: 0,
             ..ebpf::Config::default()
         })
         .unwrap(),

@@ -84,7 +84,7 @@ async fn bulk_direction_gets_a_bigger_send_buffer() {
             // Small, so that a paused reader trips it quickly.
             max_inflight: 256 * 1024,
             bulk_send_buffer: BULK_BUFFER,
-            splice_after: 0,
+            move_after: 0,
             ..ebpf::Config::default()
         })
         .unwrap(),

@@ -1,4 +1,4 @@
-//! The eBPF dataplane's move from the userspace copy into the kernel (`splice_after`):
+//! The eBPF dataplane's move from the userspace copy into the kernel (`move_after`):
 //! a connection starts in the copy and enters the SockHash once it has carried the
 //! threshold. Every test loads its own dataplane, so that its counters are its own.
 //! Needs root (CI is root); never skipped.
@@ -24,11 +24,11 @@ const HELLO: usize = 517;
 const THRESHOLD: u64 = 16 * 1024;
 const WITHIN: Duration = Duration::from_secs(30);
 
-fn dataplane(splice_after: u64) -> Arc<Dataplane> {
+fn dataplane(move_after: u64) -> Arc<Dataplane> {
     common::require_root();
     Arc::new(Dataplane::Ebpf(Arc::new(
         Ebpf::load(ebpf::Config {
-            splice_after,
+            move_after,
             ..ebpf::Config::default()
         })
         .expect("eBPF dataplane must load: tests run as root on a sockmap kernel"),

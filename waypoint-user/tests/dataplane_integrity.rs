@@ -165,7 +165,7 @@ async fn eager_sender_falls_back_intact_ebpf() {
     common::require_root();
     let dp = std::sync::Arc::new(waypoint::dataplane::Dataplane::Ebpf(std::sync::Arc::new(
         waypoint::dataplane::ebpf::Ebpf::load(waypoint::dataplane::ebpf::Config {
-            splice_after: 0,
+            move_after: 0,
             ..waypoint::dataplane::ebpf::Config::default()
         })
         .unwrap(),
@@ -253,7 +253,7 @@ async fn eager_sender_falls_back_intact_ebpf() {
 /// that moment open here) are queued where the verdict only looks when more data
 /// arrives. A client that then waits for an answer, or whose window they filled (seen
 /// once in CI: a connection stalled with a full window until its idle timeout, an hour),
-/// sends nothing more. They must be forwarded, in order, and the connection spliced.
+/// sends nothing more. They must be forwarded, in order, and the connection redirected.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bytes_landing_between_drain_and_insertion_flow_on_ebpf() {
     /// Queued behind the hello when the dataplane takes over: the drain takes it.
@@ -264,7 +264,7 @@ async fn bytes_landing_between_drain_and_insertion_flow_on_ebpf() {
     common::require_root();
     let e = std::sync::Arc::new(
         waypoint::dataplane::ebpf::Ebpf::load(waypoint::dataplane::ebpf::Config {
-            splice_after: 0,
+            move_after: 0,
             hooks: waypoint::dataplane::ebpf::Hooks {
                 sockhash_entry_pause: Some(PAUSE),
                 ..waypoint::dataplane::ebpf::Hooks::default()
@@ -345,5 +345,5 @@ async fn bytes_landing_between_drain_and_insertion_flow_on_ebpf() {
         (HELLO + FIRST + REQUEST) as u64
     );
     assert_eq!(outcome.upstream_to_downstream, 1);
-    assert_eq!(e.fallbacks(), 0, "spliced, not copied");
+    assert_eq!(e.fallbacks(), 0, "redirected, not copied");
 }

@@ -74,7 +74,7 @@ fn dataplane(kind: Kind) -> Arc<Dataplane> {
             common::require_root();
             Arc::new(Dataplane::Ebpf(Arc::new(
                 Ebpf::load(ebpf::Config {
-                    splice_after: THRESHOLD,
+                    move_after: THRESHOLD,
                     ..ebpf::Config::default()
                 })
                 .expect("eBPF dataplane must load: tests run as root on a sockmap kernel"),
@@ -288,7 +288,7 @@ async fn a_dropped_parked_connection_frees_its_slot() {
     assert!(r.is_ok(), "the server's socket was not closed");
 }
 
-/// The eBPF dataplane: a connection parked below `--splice-after` that then streams
+/// The eBPF dataplane: a connection parked below `--move-after` that then streams
 /// moves into the kernel as usual, with every byte intact.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_parked_connection_still_moves_into_the_kernel() {

@@ -83,7 +83,7 @@ fn copy() {
 fn uncut_dataplane() -> Arc<Dataplane> {
     common::require_root();
     let dp = ebpf::Ebpf::load(ebpf::Config {
-        splice_after: 0,
+        move_after: 0,
         hooks: ebpf::Hooks {
             trim_limit: Some(0),
             ..ebpf::Hooks::default()

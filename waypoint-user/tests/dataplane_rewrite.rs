@@ -1,5 +1,5 @@
 //! The rewrite splice (`--rewrite-splice`): connections whose client and pod are on this
-//! host are spliced by rewriting packet headers in a TC program on `lo`. Each test loads
+//! host are rewritten (its packet headers rewritten) in a TC program on `lo`. Each test loads
 //! its own dataplane (a TCX program each, chained on `lo`), so that its counters and map
 //! entries are its own.
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
@@ -25,7 +25,7 @@ fn load() -> (Arc<Dataplane>, Arc<ebpf::Ebpf>) {
     common::require_root();
     let e = Arc::new(
         ebpf::Ebpf::load(ebpf::Config {
-            splice_after: 0,
+            move_after: 0,
             rewrite_splice: true,
             ..ebpf::Config::default()
         })
@@ -117,7 +117,7 @@ async fn server(listener: &TcpListener) -> TcpStream {
 }
 
 /// 256 MiB each way at once, SHA-256 compared, through rewritten packets only: the
-/// connection is counted as spliced by rewriting, the program rewrote its packets, and
+/// connection is counted as rewritten, the program rewrote its packets, and
 /// its entries are gone once it ended.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bulk_256mib_each_way_intact() {
@@ -143,10 +143,7 @@ async fn bulk_256mib_each_way_intact() {
     assert_eq!(outcome.upstream_to_downstream, TOTAL + 1);
     let (counts, stats) = e.rewrite_counts().unwrap();
     eprintln!("{counts:?} {stats:?}");
-    assert_eq!(
-        counts.spliced, 1,
-        "spliced by rewriting, not by the SockHash"
-    );
+    assert_eq!(counts.rewritten, 1, "rewritten, not by the SockHash");
     assert_eq!(counts.stranded, 0);
     assert!(
         stat(&e, RewriteStat::Rewritten) > 1_000,
@@ -206,7 +203,7 @@ async fn echoes(mark: bool) {
     assert_eq!(outcome.downstream_to_upstream, total + HELLO as u64);
     assert_eq!(outcome.upstream_to_downstream, total + 1);
     let counts = e.rewrite_counts().unwrap().0;
-    assert_eq!(counts.spliced, 1);
+    assert_eq!(counts.rewritten, 1);
     // The sequence numbers came from the handshake records (see `established.rs`), or
     // from repair mode.
     assert_eq!(counts.recorded, u64::from(mark));
@@ -231,13 +228,17 @@ async fn unrelated_connection() {
 }
 
 /// The program runs on every TCP packet of the node, but looks up in its map only those
-/// to a port that clients of spliced connections send to, or from one their pods send
+/// to a port that clients of rewritten connections send to, or from one their pods send
 /// from: other connections cost no lookup, before a splice and after one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn only_packets_of_spliced_ports_are_looked_up() {
+async fn only_packets_of_rewritten_ports_are_looked_up() {
     let (dp, e) = load();
     unrelated_connection().await;
-    assert_eq!(stat(&e, RewriteStat::LookedUp), 0, "no port is spliced yet");
+    assert_eq!(
+        stat(&e, RewriteStat::LookedUp),
+        0,
+        "no port is rewritten yet"
+    );
     let back = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let mut proxy = common::proxy(dp, back.local_addr().unwrap(), HELLO, Limits::default()).await;
     let addr = proxy.addr;
@@ -249,11 +250,11 @@ async fn only_packets_of_spliced_ports_are_looked_up() {
     tokio::join!(pod, cl);
     let outcome = common::next_outcome(&mut proxy, Duration::from_secs(30)).await;
     assert_eq!(outcome.end, End::Closed);
-    assert_eq!(e.rewrite_counts().unwrap().0.spliced, 1);
+    assert_eq!(e.rewrite_counts().unwrap().0.rewritten, 1);
     let looked = stat(&e, RewriteStat::LookedUp);
     assert!(
         looked >= stat(&e, RewriteStat::Rewritten) && looked > 20,
-        "the spliced connection's packets are looked up ({looked})"
+        "the rewritten connection's packets are looked up ({looked})"
     );
     assert_eq!(after_linger(&e).await, (0, 0));
     let looked = stat(&e, RewriteStat::LookedUp);
@@ -299,7 +300,7 @@ async fn pod_reset_reaches_client() {
 
 /// A client that reuses its port while its last connection's entries still linger (it
 /// reset that one, so it holds no TIME_WAIT): the SYN makes the program drop the old
-/// entries, the new connection is spliced under the same client 4-tuple, and the old
+/// entries, the new connection is rewritten under the same client 4-tuple, and the old
 /// connection's end, once its linger is over, leaves the new one's entry alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_reusing_its_port_keeps_its_new_connection() {
@@ -358,7 +359,7 @@ async fn a_client_reusing_its_port_keeps_its_new_connection() {
     second.read_exact(&mut buf).await.unwrap();
     assert_eq!(&buf, b"pong");
     let (counts, _) = e.rewrite_counts().unwrap();
-    assert_eq!(counts.spliced, 2, "{counts:?}");
+    assert_eq!(counts.rewritten, 2, "{counts:?}");
     drop(second);
     drop(pod_second);
     let o = common::next_outcome(&mut proxy, Duration::from_secs(30)).await;
@@ -493,15 +494,15 @@ async fn eager_clients(mark: bool) {
     let (counts, _) = e.rewrite_counts().unwrap();
     eprintln!("intact {intact}, reset {reset}: {counts:?}");
     assert_eq!(
-        counts.spliced + counts.refused.iter().sum::<u64>(),
+        counts.rewritten + counts.refused.iter().sum::<u64>(),
         CONNS,
-        "every connection was spliced or refused"
+        "every connection was rewritten or refused"
     );
     assert_eq!(
         reset, counts.stranded,
         "a reset only where the hand-over found stranded bytes"
     );
-    let expected = if mark { counts.spliced } else { 0 };
+    let expected = if mark { counts.rewritten } else { 0 };
     assert_eq!(counts.recorded, expected);
 }
 
@@ -572,7 +573,7 @@ async fn landed(mark: bool, fin: bool) {
     common::require_root();
     let e = Arc::new(
         ebpf::Ebpf::load(ebpf::Config {
-            splice_after: 0,
+            move_after: 0,
             rewrite_splice: true,
             hooks: ebpf::Hooks {
                 rewrite_handover_pause: Some(Duration::from_secs(1)),
@@ -659,7 +660,7 @@ async fn landed(mark: bool, fin: bool) {
     let (counts, _) = e.rewrite_counts().unwrap();
     assert_eq!(
         (
-            counts.spliced,
+            counts.rewritten,
             counts.filled,
             counts.stranded,
             counts.pending
@@ -671,7 +672,7 @@ async fn landed(mark: bool, fin: bool) {
     assert_eq!(e.rewrite_fills(), 0, "the fill goes with the entries");
 }
 
-/// A spliced connection idle for the idle timeout is ended by the daemon: both ends get
+/// A rewritten connection idle for the idle timeout is ended by the daemon: both ends get
 /// a reset they accept, and the entries go.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_timeout_resets_both_ends() {
@@ -702,7 +703,7 @@ async fn idle_timeout_resets_both_ends() {
     assert_eq!(e.rewrite_entries(), 0);
 }
 
-/// A spliced connection that carries a message every 50 ms is ended at its lifetime:
+/// A rewritten connection that carries a message every 50 ms is ended at its lifetime:
 /// both ends get a reset, the entries go.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lifetime_ends_a_busy_connection() {
@@ -764,10 +765,10 @@ async fn lifetime_ends_a_busy_connection() {
     assert_eq!(e.rewrite_counts().unwrap().0.live, 0);
 }
 
-/// A spliced connection whose forwarding is dropped (as at the drain deadline) is ended,
-/// not left half-spliced: both ends get a reset, the entries go.
+/// A rewritten connection whose forwarding is dropped (as at the drain deadline) is ended,
+/// not left half rewritten: both ends get a reset, the entries go.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn dropping_a_spliced_connection_resets_both_ends() {
+async fn dropping_a_rewritten_connection_resets_both_ends() {
     let (dp, e) = load();
     let back = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let front = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -791,11 +792,11 @@ async fn dropping_a_spliced_connection_resets_both_ends() {
     let mut ping = [0u8; 4];
     s.read_exact(&mut ping).await.unwrap();
     s.write_all(b"pong").await.unwrap();
-    // Spliced, and past the hand-over.
+    // Rewritten, and past the hand-over.
     tokio::time::timeout(Duration::from_secs(10), async {
         loop {
             let (counts, _) = e.rewrite_counts().unwrap();
-            if counts.spliced == 1 && counts.pending == 0 {
+            if counts.rewritten == 1 && counts.pending == 0 {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
@@ -819,7 +820,7 @@ async fn full_map_refuses_to_the_sockhash_path() {
     common::require_root();
     let e = Arc::new(
         ebpf::Ebpf::load(ebpf::Config {
-            splice_after: 0,
+            move_after: 0,
             rewrite_splice: true,
             // The map's size too: the second connection's first entry fits, its second
             // does not.
@@ -839,7 +840,7 @@ async fn full_map_refuses_to_the_sockhash_path() {
         conns.push((c.await.unwrap(), s));
     }
     let (counts, _) = e.rewrite_counts().unwrap();
-    assert_eq!(counts.spliced, 1, "{counts:?}");
+    assert_eq!(counts.rewritten, 1, "{counts:?}");
     assert_eq!(
         counts.refused,
         [0, 0, 0, 1, 0],
@@ -931,7 +932,7 @@ async fn pod_that_speaks_first(close_after_banner: bool) {
         assert_eq!(got, msg, "pod to client");
     }
     let (counts, _) = e.rewrite_counts().unwrap();
-    assert_eq!(counts.spliced, 0, "{counts:?}");
+    assert_eq!(counts.rewritten, 0, "{counts:?}");
     assert_eq!(counts.refused, [0, 0, 1, 0, 0], "refused as busy");
     drop(c);
     drop(s);
@@ -962,7 +963,7 @@ async fn pod_closing_first_is_refused_to_the_sockhash_path() {
 /// namespace of its own (its thread's, and the runtime's threads', built after the
 /// unshare), so that the interfaces it adds and counts are its own.
 #[test]
-fn pods_on_interfaces_added_after_start_are_spliced() {
+fn pods_on_interfaces_added_after_start_are_rewritten() {
     let (dp, e) = own_node();
     assert_eq!(
         e.rewrite_links().unwrap().attached,
@@ -982,13 +983,13 @@ fn pods_on_interfaces_added_after_start_are_spliced() {
         assert_eq!(outcome.end, End::Closed);
         assert_eq!(outcome.upstream_to_downstream, total + 1);
         let (counts, _) = e.rewrite_counts().unwrap();
-        assert_eq!(counts.spliced, 1, "spliced by rewriting");
+        assert_eq!(counts.rewritten, 1, "rewritten");
         assert_eq!(counts.stranded, 0);
         assert!(stat(&e, RewriteStat::Rewritten) > 200);
         assert_eq!(stat(&e, RewriteStat::Unroutable), 0);
         // From this host, to one of its addresses; and over loopback. The pod's
         // rewritten packets would come in on its veth with a source of this host's: the
-        // stack drops such martians, so these are not spliced (lo's MTU set to the veths'
+        // stack drops such martians, so these are not rewritten (lo's MTU set to the veths'
         // so that the MSS check does not refuse them first).
         ip(&["link", "set", "lo", "mtu", "1500"]);
         let from_here = [
@@ -1006,7 +1007,7 @@ fn pods_on_interfaces_added_after_start_are_spliced() {
                 .position(|r| *r == Refusal::Local)
                 .unwrap();
             assert_eq!(counts.refused[local], i as u64 + 1, "{counts:?}");
-            assert_eq!(counts.spliced, 1);
+            assert_eq!(counts.rewritten, 1);
         }
         drop(pod);
         until("the gone veth forgotten", || links().attached == 2).await;
@@ -1026,7 +1027,7 @@ fn without_tcx_the_program_sits_on_clsact_qdiscs_the_daemon_adds() {
     let load_netlink = || {
         let e = Arc::new(
             ebpf::Ebpf::load(ebpf::Config {
-                splice_after: 0,
+                move_after: 0,
                 rewrite_splice: true,
                 hooks: ebpf::Hooks {
                     tc_netlink: true,
@@ -1061,12 +1062,12 @@ fn without_tcx_the_program_sits_on_clsact_qdiscs_the_daemon_adds() {
     // A runtime per connection: dropped, it drops the proxy's task, and with it the
     // task's handle on the dataplane.
 
-    // Added, and spliced through.
+    // Added, and rewritten through.
     let (dp, a) = load_netlink();
     assert_eq!(a.rewrite_links().unwrap().attached, 1);
     assert!(clsact_on_lo(), "the daemon added the qdisc");
     assert_eq!(ingress_filters_on_lo(), 1);
-    runtime().block_on(spliced_echo(dp, &a));
+    runtime().block_on(rewritten_echo(dp, &a));
 
     // A second daemon finds the qdisc and puts its filter beside the first's; the first
     // leaves the qdisc it added, which the second still uses and splices through.
@@ -1075,7 +1076,7 @@ fn without_tcx_the_program_sits_on_clsact_qdiscs_the_daemon_adds() {
     drop(a);
     assert!(clsact_on_lo(), "left: another daemon's filter uses it");
     assert_eq!(ingress_filters_on_lo(), 1, "the first daemon's filter went");
-    runtime().block_on(spliced_echo(dp, &b));
+    runtime().block_on(rewritten_echo(dp, &b));
     // ... and the second leaves the qdisc it found.
     drop(b);
     assert!(clsact_on_lo(), "left: it was there before the daemon");
@@ -1094,9 +1095,9 @@ fn without_tcx_the_program_sits_on_clsact_qdiscs_the_daemon_adds() {
     assert!(!clsact_on_lo(), "the daemon removed the qdisc it added");
 }
 
-/// One connection over `lo`, spliced by rewriting: 200 echoes and a close.
-async fn spliced_echo(dp: Arc<Dataplane>, e: &ebpf::Ebpf) {
-    let spliced = e.rewrite_counts().unwrap().0.spliced;
+/// One connection over `lo`, rewritten: 200 echoes and a close.
+async fn rewritten_echo(dp: Arc<Dataplane>, e: &ebpf::Ebpf) {
+    let rewritten = e.rewrite_counts().unwrap().0.rewritten;
     let back = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let mut proxy = proxy_marked(true, dp, back.local_addr().unwrap()).await;
     let addr = proxy.addr;
@@ -1109,9 +1110,9 @@ async fn spliced_echo(dp: Arc<Dataplane>, e: &ebpf::Ebpf) {
     assert_eq!(outcome.end, End::Closed);
     assert_eq!(outcome.upstream_to_downstream, total + 1);
     assert_eq!(
-        e.rewrite_counts().unwrap().0.spliced,
-        spliced + 1,
-        "spliced by rewriting"
+        e.rewrite_counts().unwrap().0.rewritten,
+        rewritten + 1,
+        "rewritten"
     );
 }
 
@@ -1142,7 +1143,7 @@ fn a_lossy_path_recovers_with_rewritten_sack_blocks() {
         let outcome = common::next_outcome(&mut proxy, Duration::from_secs(30)).await;
         assert_eq!(outcome.end, End::Closed);
         let (counts, _) = e.rewrite_counts().unwrap();
-        assert_eq!(counts.spliced, 1, "spliced by rewriting: {counts:?}");
+        assert_eq!(counts.rewritten, 1, "rewritten: {counts:?}");
         assert_eq!(counts.stranded, 0);
         assert_eq!(stat(&e, RewriteStat::BadOptions), 0);
         for (end, peer) in [("client", &remote), ("pod", &pod)] {
@@ -1170,7 +1171,7 @@ fn a_lossy_path_recovers_with_rewritten_sack_blocks() {
 }
 
 /// A pod whose path has another MTU than the client's (an MSS the client was not told)
-/// is not spliced: the SockHash serves it, intact.
+/// is not rewritten: the SockHash serves it, intact.
 #[test]
 fn a_different_mss_is_refused_to_the_sockhash_path() {
     let (dp, e) = own_node();
@@ -1186,11 +1187,11 @@ fn a_different_mss_is_refused_to_the_sockhash_path() {
         assert_eq!(outcome.upstream_to_downstream, total + 1);
         let (counts, _) = e.rewrite_counts().unwrap();
         assert_eq!(counts.refused[Refusal::Options as usize], 1, "{counts:?}");
-        assert_eq!(counts.spliced, 0);
+        assert_eq!(counts.rewritten, 0);
     });
 }
 
-/// An IPv6 connection is not spliced (the program rewrites IPv4): the SockHash serves
+/// An IPv6 connection is not rewritten (the program rewrites IPv4): the SockHash serves
 /// it, intact.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ipv6_is_refused_to_the_sockhash_path() {
@@ -1207,7 +1208,7 @@ async fn ipv6_is_refused_to_the_sockhash_path() {
     assert_eq!(outcome.upstream_to_downstream, total + 1);
     let (counts, _) = e.rewrite_counts().unwrap();
     assert_eq!(counts.refused[Refusal::NotIpv4 as usize], 1, "{counts:?}");
-    assert_eq!(counts.spliced, 0);
+    assert_eq!(counts.rewritten, 0);
 }
 
 /// Once the program is on both peers' veths: the pod serving, a proxy to it on every

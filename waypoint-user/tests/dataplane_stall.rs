@@ -116,7 +116,7 @@ async fn stranded_bytes() {
     const PAUSE: Duration = Duration::from_secs(1);
     common::require_root();
     let e = ebpf::Ebpf::load(ebpf::Config {
-        splice_after: 0,
+        move_after: 0,
         hooks: ebpf::Hooks {
             sockhash_entry_pause: Some(PAUSE),
             sockhash_entry_no_kick: true,
@@ -219,7 +219,7 @@ fn backpressure_is_not_a_stall_ebpf() {
         common::require_root();
         let e = Arc::new(
             ebpf::Ebpf::load(ebpf::Config {
-                splice_after: 0,
+                move_after: 0,
                 max_inflight: 256 * 1024,
                 ..ebpf::Config::default()
             })

@@ -1,6 +1,6 @@
-//! A spliced connection does not wake the daemon's thread for bytes the kernel forwards.
+//! A redirected connection does not wake the daemon's thread for bytes the kernel forwards.
 //!
-//! The kernel wakes a spliced socket's readers after every segment, also one the verdict
+//! The kernel wakes a redirected socket's readers after every segment, also one the verdict
 //! redirected away; a connection left in tokio's reactor woke its worker thread about
 //! once per request and once per response. Here the proxy runs on a thread of its own
 //! (a single-threaded runtime, as a tunnel worker), and the test counts that thread's
@@ -98,7 +98,7 @@ async fn request_response_does_not_wake_the_proxy_thread() {
         pod
     });
     // Warm-up: the connection is in the kernel path from its first byte (the harness
-    // loads the dataplane with splice_after 0); these round trips fault in the rest.
+    // loads the dataplane with move_after 0); these round trips fault in the rest.
     for i in 0..100 {
         round(&mut client, i).await;
     }

@@ -196,7 +196,7 @@ async fn routes_through(dataplane: &str, pod_ip: &str, port: u16) {
     if dataplane == "ebpf" {
         // Whether the 4 MiB echo finds a moment to move, or moves only once its client's
         // FIN is in flight (and then falls back to the copy), depends on timing. A
-        // connection that crosses --splice-after (16 KiB by default) and then goes quiet
+        // connection that crosses --move-after (16 KiB by default) and then goes quiet
         // both ways must move, and enter the SockHash, every time.
         let moved = "waypoint_ebpf_connections_total{path=\"moved\"}";
         let fallback = "waypoint_ebpf_connections_total{path=\"fallback\"}";
@@ -287,7 +287,7 @@ async fn routes_over_ipv6(dataplane: &str, extra: &[&str], pod_port: u16) {
     rand::rngs::StdRng::seed_from_u64(6).fill_bytes(&mut payload);
     let hello = hello_for("8080.reviews.bookinfo.mesh.local");
     echo_through(app.tunnel_addr, &hello, &payload).await;
-    // One that crosses --splice-after and goes quiet both ways: the eBPF dataplane moves
+    // One that crosses --move-after and goes quiet both ways: the eBPF dataplane moves
     // it into the kernel.
     echo_after_a_pause(app.tunnel_addr, &hello, &payload[..64 << 10], &payload).await;
     let admin = app.admin_addr;

@@ -68,7 +68,7 @@ fn two_clusters_ebpf() {
     run("ebpf", &[], false);
 }
 
-/// The same world with every connection spliced by rewriting packet headers: the
+/// The same world with every connection rewritten (its packet headers rewritten): the
 /// client's packets arrive on a node's uplink and leave towards the pod's bridge, and
 /// back.
 #[test]
@@ -105,7 +105,7 @@ fn rewritten(w: &World) -> &'static str {
     if w.opts.ipv6 {
         r#"waypoint_rewrite_connections_total{result="refused_not_ipv4"}"#
     } else {
-        r#"waypoint_rewrite_connections_total{result="spliced"}"#
+        r#"waypoint_rewrite_connections_total{result="rewritten"}"#
     }
 }
 

@@ -221,8 +221,7 @@ mod tests {
     use super::*;
 
     fn root() -> bool {
-        // SAFETY: geteuid has no preconditions.
-        unsafe { libc::geteuid() == 0 }
+        nix::unistd::geteuid().is_root()
     }
 
     #[test]

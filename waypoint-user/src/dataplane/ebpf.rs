@@ -70,10 +70,10 @@ pub const DEFAULT_MAX_INFLIGHT: u64 = 4 * 1024 * 1024;
 /// does not run dry meanwhile. See docs/ARCHITECTURE.md.
 pub const DEFAULT_BULK_SEND_BUFFER: usize = 16 * 1024 * 1024;
 
-/// Default for [`Config::splice_after`]: a connection moves into the SockHash once it
+/// Default for [`Config::move_after`]: a connection moves into the SockHash once it
 /// has carried this many bytes, both directions together. A TLS handshake and a few small
 /// requests stay below it.
-pub const DEFAULT_SPLICE_AFTER: u64 = 16 * 1024;
+pub const DEFAULT_MOVE_AFTER: u64 = 16 * 1024;
 
 /// Read size for the bytes the verdict passes. Each read drains more of the queue than
 /// the 64 KiB used before, so userspace catches up with a bulk sender sooner and the flow
@@ -96,7 +96,7 @@ pub struct Config {
     /// Bytes allowed in flight in the kernel per direction (redirected but not yet taken
     /// by the destination's TCP). Bounds memory under a slow reader.
     pub max_inflight: u64,
-    /// Forced send and receive buffer size for spliced sockets (SO_SNDBUFFORCE /
+    /// Forced send and receive buffer size for redirected sockets (SO_SNDBUFFORCE /
     /// SO_RCVBUFFORCE); None keeps the kernel's autotuning.
     pub socket_buffer: Option<usize>,
     /// Cap on the send buffer forced on a destination (SO_SNDBUFFORCE) when its direction
@@ -108,7 +108,7 @@ pub struct Config {
     /// A connection is copied in userspace until both directions together have carried
     /// this many bytes, and only then moved into the SockHash: a psock costs more than a
     /// short connection gains from the kernel path. 0 moves every connection at once.
-    pub splice_after: u64,
+    pub move_after: u64,
     /// Size in bytes of the ring through which the verdict wakes quiet connections (a
     /// power of two and a multiple of the page size; see `signals.rs`). A record is 16
     /// bytes; a full ring loses records, and the daemon then wakes every waiting
@@ -159,7 +159,7 @@ impl Default for Config {
             socket_buffer: None,
             bulk_send_buffer: DEFAULT_BULK_SEND_BUFFER,
             max_sockets: waypoint_common::DEFAULT_MAX_SOCKETS,
-            splice_after: DEFAULT_SPLICE_AFTER,
+            move_after: DEFAULT_MOVE_AFTER,
             signal_ring_bytes: waypoint_common::SIGNALS_BYTES,
             rewrite_splice: false,
             pod_port: None,
@@ -271,7 +271,7 @@ pub struct Ebpf {
     peers: Mutex<SockHash<MapData, u64>>,
     flows: FlowTable,
     stats: PerCpuArray<MapData, u64>,
-    /// Wakes spliced connections that have bytes to read (see `signals.rs`).
+    /// Wakes redirected connections that have bytes to read (see `signals.rs`).
     signals: Arc<Signals>,
     fallbacks: AtomicU64,
     handovers: AtomicU64,
@@ -291,26 +291,26 @@ type SockmapForward = Pin<Box<dyn Future<Output = Result<Outcome, Error>> + Send
 /// What the rewrite hand-over led to.
 #[allow(
     clippy::large_enum_variant,
-    reason = "a spliced connection lives in `Rewritten` for its whole life, inline in its \
+    reason = "a rewritten connection lives in `Rewritten` for its whole life, inline in its \
               task; the other variants are momentary, and a box would cost an allocation \
               per connection"
 )]
 enum HandOver {
     Rewritten(rewrite::Rewritten),
-    /// Refused: the SockHash splice takes it.
+    /// Refused: the SockHash redirect takes it.
     Sockmap(SockmapForward),
     /// Ended at the hand-over.
     Ended(Outcome),
 }
 
 pin_project_lite::pin_project! {
-    /// [`Ebpf::forward`] with the rewrite splice. Hand-written, so that a spliced
+    /// [`Ebpf::forward`] with the rewrite splice. Hand-written, so that a rewritten
     /// connection's task holds only [`rewrite::Rewritten`] (inline): the hand-over, and the
     /// SockHash path of a refused connection, are boxed and the box is freed once done.
     #[project = RewritingProj]
     enum Rewriting {
         HandOver { fut: Pin<Box<dyn Future<Output = HandOver> + Send>> },
-        Rewritten { #[pin] spliced: rewrite::Rewritten },
+        Rewritten { #[pin] rewritten: rewrite::Rewritten },
         Sockmap { fut: SockmapForward },
     }
 }
@@ -322,11 +322,11 @@ impl Future for Rewriting {
         loop {
             let next = match self.as_mut().project() {
                 RewritingProj::HandOver { fut } => ready!(fut.as_mut().poll(cx)),
-                RewritingProj::Rewritten { spliced } => return spliced.poll(cx).map(Ok),
+                RewritingProj::Rewritten { rewritten } => return rewritten.poll(cx).map(Ok),
                 RewritingProj::Sockmap { fut } => return fut.as_mut().poll(cx),
             };
             match next {
-                HandOver::Rewritten(spliced) => self.set(Rewriting::Rewritten { spliced }),
+                HandOver::Rewritten(rewritten) => self.set(Rewriting::Rewritten { rewritten }),
                 HandOver::Sockmap(fut) => self.set(Rewriting::Sockmap { fut }),
                 HandOver::Ended(outcome) => return Poll::Ready(Ok(outcome)),
             }
@@ -449,7 +449,7 @@ impl Ebpf {
             .map_max_entries(PEERS_MAP, config.max_sockets)
             .map_max_entries(SLOTS_MAP, config.max_sockets)
             .map_max_entries(FLOWS_MAP, config.max_sockets)
-            // Two entries per connection spliced by rewriting, as two sockets per
+            // Two entries per connection rewritten, as two sockets per
             // connection in the SockHash.
             .map_max_entries(REWRITES_MAP, config.max_sockets)
             .map_max_entries(SIGNALS_MAP, config.signal_ring_bytes)
@@ -597,7 +597,7 @@ impl Ebpf {
             socket_buffer = ?config.socket_buffer,
             bulk_send_buffer = config.bulk_send_buffer,
             max_sockets = config.max_sockets,
-            splice_after = config.splice_after,
+            move_after = config.move_after,
             repeat_check = offsets.is_some(),
             rewrite_splice = config.rewrite_splice,
             "eBPF dataplane attached"
@@ -763,7 +763,7 @@ impl Ebpf {
         self.fallbacks.load(Relaxed)
     }
 
-    /// Connections that carried `splice_after` bytes in the copy they started in and went
+    /// Connections that carried `move_after` bytes in the copy they started in and went
     /// on to enter the SockHash. Those that then could not enter are counted in
     /// [`Ebpf::fallbacks`] as well; connections that end below the threshold in neither.
     pub fn handovers(&self) -> u64 {

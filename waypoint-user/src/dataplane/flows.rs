@@ -1,6 +1,6 @@
 //! The per-socket records of the eBPF dataplane, shared with the verdict through memory.
 //!
-//! Each spliced socket gets a slot in the `FLOWS` array (see `waypoint_common::Flow`),
+//! Each redirected socket gets a slot in the `FLOWS` array (see `waypoint_common::Flow`),
 //! which this module maps into the daemon's memory: setting a budget and reading the
 //! counters are plain atomic memory accesses, not `bpf()` syscalls. The verdict finds a
 //! socket's slot through the `SLOTS` hash (cookie → slot), which costs one syscall to

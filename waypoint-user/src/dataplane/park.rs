@@ -22,7 +22,6 @@
 
 use std::{
     cell::RefCell,
-    os::fd::{AsRawFd, RawFd},
     sync::{atomic::AtomicBool, Arc},
 };
 use std::{
@@ -48,6 +47,7 @@ use slab::Slab;
 use tracing::{debug, warn};
 
 use super::tally::Tally;
+use crate::sys::{self, SharedEpoll};
 
 /// Epoll data of the eventfd that interrupts the thread's wait (a parked connection's
 /// data is its slot key and generation, never all ones).
@@ -80,7 +80,7 @@ pub(crate) enum Error {
 /// Parked connections and what watches them: a thread (the process's parker) or a task
 /// on a single-threaded runtime (that runtime's parker).
 pub(crate) struct Parker {
-    epoll: Epoll,
+    epoll: SharedEpoll,
     kick: EventFd,
     state: Mutex<State>,
     /// False once the driving thread or task is gone: then nothing may park here.
@@ -147,15 +147,6 @@ fn data(key: usize, gen: u32) -> u64 {
     (u64::from(gen) << 32) | (key as u64 & 0xffff_ffff)
 }
 
-/// The epoll set of a runtime's parker, as its reactor sees it.
-struct EpollFd(Arc<Parker>);
-
-impl AsRawFd for EpollFd {
-    fn as_raw_fd(&self) -> RawFd {
-        self.0.epoll.0.as_raw_fd()
-    }
-}
-
 /// Marks its parker undriven when the driving task ends (its runtime dropped it).
 struct Driving(Arc<Parker>);
 
@@ -205,16 +196,8 @@ impl Parker {
                 return Some(p.clone());
             }
             let started = Parker::new().map(Arc::new).and_then(|p| {
-                // SAFETY: `EpollFd` holds the parker, which owns the epoll descriptor, so
-                // the descriptor stays open for as long as the AsyncFd (its owner) lives,
-                // and `as_raw_fd` always returns that same descriptor.
-                let fd = unsafe {
-                    tokio::io::unix::AsyncFd::register_with_interest(
-                        EpollFd(p.clone()),
-                        tokio::io::Interest::READABLE,
-                    )
-                }
-                .map_err(|e| Error::Thread(e.into()))?;
+                let fd = sys::register(p.epoll.clone(), tokio::io::Interest::READABLE)
+                    .map_err(Error::Thread)?;
                 p.driven.store(true, Relaxed);
                 // The guard is part of the task from its creation: a task dropped before
                 // its first poll still marks the parker undriven.
@@ -239,7 +222,7 @@ impl Parker {
         let kick = EventFd::from_flags(EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)?;
         epoll.add(kick.as_fd(), EpollEvent::new(EpollFlags::EPOLLIN, KICK))?;
         Ok(Parker {
-            epoll,
+            epoll: SharedEpoll::new(epoll),
             kick,
             state: Mutex::new(State {
                 slots: Slab::new(),
@@ -388,7 +371,7 @@ impl Parker {
 
     /// A runtime parker's task: the same loop, with the epoll set in the runtime's
     /// reactor and the deadline on its timer.
-    async fn drive(self: Arc<Self>, fd: tokio::io::unix::AsyncFd<EpollFd>, _driving: Driving) {
+    async fn drive(self: Arc<Self>, fd: tokio::io::unix::AsyncFd<SharedEpoll>, _driving: Driving) {
         let mut events = [EpollEvent::empty(); EVENTS];
         let mut wakers = Vec::new();
         loop {

@@ -1,4 +1,4 @@
-//! Splicing a connection by rewriting packet headers (`--rewrite-splice`): the TC program
+//! Rewriting a connection's packet headers (`--rewrite-splice`): the TC program
 //! `waypoint_rewrite`, on the ingress of every interface of the node (see waypoint-ebpf),
 //! turns the client's packets to the waypoint's accepted socket A into packets of the
 //! waypoint's socket B to the pod, and back, and sends them on towards their new
@@ -6,7 +6,7 @@
 //! carries the bytes, and no socket of the daemon's sees them.
 //!
 //! IPv4 only; a connection whose two sides negotiated different TCP options, window
-//! scales or MSS takes the SockHash splice ([`Refused`]).
+//! scales or MSS takes the SockHash redirect ([`Refused`]).
 //!
 //! **Hand-over**, right after the router read the ClientHello from A and dialed B:
 //! 1. A goes into repair mode (`TCP_REPAIR`), which lets the daemon read its sequence
@@ -21,7 +21,7 @@
 //!    by B, right behind the hello, where the client's entry put them in the pod's number
 //!    space ([`Rewriter::fill`]). Anything else that landed (in B: a pod whose packets
 //!    arrive through an interface without the program) would be lost between the two
-//!    conversations: the splice is undone and both ends are reset ("stranded").
+//!    conversations: the rewrite is undone and both ends are reset ("stranded").
 //! 4. A is closed silently (repair mode sends neither FIN nor RST). B stays open,
 //!    holding its 4-tuple, so that no other connection to the pod gets the same one.
 //!
@@ -84,7 +84,7 @@ const TCPI_OPT_TIMESTAMPS: u8 = 1;
 const TCPI_OPT_SACK: u8 = 2;
 const TCPI_OPT_WSCALE: u8 = 4;
 
-/// Why a connection was not spliced this way (it takes the SockHash splice instead).
+/// Why a connection was not rewritten (it takes the SockHash redirect instead).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Refusal {
     /// Not IPv4.
@@ -149,15 +149,15 @@ pub struct Refused {
 /// Counters of the rewrite splice, process-wide.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Counts {
-    /// Connections spliced by rewriting.
-    pub spliced: u64,
+    /// Connections rewritten.
+    pub rewritten: u64,
     /// Connections refused, by [`Refusal::ALL`] order.
     pub refused: [u64; Refusal::ALL.len()],
     /// Connections undone at the hand-over because a packet landed in A or B (step 4) that
     /// B could not carry on the client's behalf: both ends reset.
     pub stranded: u64,
     /// Hand-overs whose client sent on before the entries were in: B carried the bytes
-    /// that landed in A (and a FIN), and the connection went on spliced (step 4).
+    /// that landed in A (and a FIN), and the connection went on rewritten (step 4).
     pub filled: u64,
     /// Rewritten connections whose entries are in the map: open, or ended and lingering.
     pub live: u64,
@@ -185,13 +185,13 @@ pub(super) struct Rewriter {
     map: Mutex<HashMap<MapData, RewriteKey, Rewrite>>,
     /// `REWRITE_FILLS_MAP`: see [`Rewriter::fill`].
     fills: Mutex<HashMap<MapData, RewriteKey, u32>>,
-    /// The SockHash splice's signals, which the program shares (slots from
+    /// The SockHash redirect's signals, which the program shares (slots from
     /// [`REWRITE_SLOT_BASE`]).
     signals: Arc<Signals>,
     stats: PerCpuArray<MapData, u64>,
     grace: Arc<Grace>,
     next_slot: AtomicU32,
-    spliced: AtomicU64,
+    rewritten: AtomicU64,
     refused: [AtomicU64; Refusal::ALL.len()],
     stranded: AtomicU64,
     filled: AtomicU64,
@@ -289,7 +289,7 @@ impl Rewriter {
             stats,
             grace: Grace::start(),
             next_slot: AtomicU32::new(0),
-            spliced: AtomicU64::new(0),
+            rewritten: AtomicU64::new(0),
             refused: Default::default(),
             stranded: AtomicU64::new(0),
             filled: AtomicU64::new(0),
@@ -390,7 +390,7 @@ impl Rewriter {
     /// The counters so far.
     pub fn counts(&self) -> Counts {
         Counts {
-            spliced: self.spliced.load(Relaxed),
+            rewritten: self.rewritten.load(Relaxed),
             refused: std::array::from_fn(|i| self.refused[i].load(Relaxed)),
             stranded: self.stranded.load(Relaxed),
             filled: self.filled.load(Relaxed),
@@ -426,7 +426,7 @@ impl Rewriter {
         initial: Vec<u8>,
     ) -> Refused {
         self.refused[reason as usize].fetch_add(1, Relaxed);
-        debug!(reason = reason.as_str(), "not spliced by rewriting");
+        debug!(reason = reason.as_str(), "not rewritten");
         Refused {
             reason,
             downstream,
@@ -435,7 +435,7 @@ impl Rewriter {
         }
     }
 
-    /// Steps 1 to 4 of the hand-over: the connection spliced (to be followed by
+    /// Steps 1 to 4 of the hand-over: the connection rewritten (to be followed by
     /// [`Rewritten`]), ended at the hand-over, or handed back untouched.
     pub async fn hand_over(
         &self,
@@ -459,7 +459,7 @@ impl Rewriter {
         } = p;
         let b = upstream.as_raw_fd();
         self.live.fetch_add(1, Relaxed);
-        self.spliced.fetch_add(1, Relaxed);
+        self.rewritten.fetch_add(1, Relaxed);
         // Declared before the guard, so that it closes after the guard ran.
         let mut upstream = upstream;
         let mut undo = Undo {
@@ -470,7 +470,7 @@ impl Rewriter {
             pending: true,
             armed: true,
         };
-        let sent = upstream.write_all_soon(&initial).await;
+        let sent = upstream.write_all(&initial).await;
         let initial_len = initial.len() as u64;
         drop(initial);
         // Step 4: after a grace period, nothing that passed the program before the
@@ -525,7 +525,7 @@ impl Rewriter {
             Ok(s) => OwnedFd::from(s),
             Err(e) => {
                 // Taking it out of epoll failed, and closed it: its FIN is out of place
-                // in the spliced conversation.
+                // in the rewritten conversation.
                 self.signals.unregister(slot);
                 self.abort(&addrs, &entries, slot, None);
                 if fill.filled {
@@ -820,7 +820,7 @@ impl Rewriter {
         }
         if sent < 2 {
             warn!(
-                "resetting a spliced connection's ends failed (no CAP_NET_RAW?): they learn \
+                "resetting a rewritten connection's ends failed (no CAP_NET_RAW?): they learn \
                    of its end at their next packet"
             );
         }
@@ -869,76 +869,16 @@ impl Drop for Undo<'_> {
 
 mod fill;
 mod grace;
-mod spliced;
+mod rewritten;
 mod tcp;
 
 use fill::*;
 use grace::*;
-use spliced::*;
-pub(super) use spliced::{HandedOver, Rewritten};
+use rewritten::*;
+pub(super) use rewritten::{HandedOver, Rewritten};
 use tcp::*;
 #[cfg(test)]
 pub(super) use tcp::{snapshot, ts_clock, Seqs};
 
 #[cfg(test)]
-mod tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
-    use super::*;
-    use crate::dataplane::ebpf::{Config, Ebpf};
-
-    fn key(i: u32) -> RewriteKey {
-        RewriteKey {
-            saddr: i,
-            daddr: i,
-            sport: 1,
-            dport: 2,
-        }
-    }
-
-    /// The sweep ends the lingering connections whose linger is over, in one batch that
-    /// an entry already gone does not stop, and leaves the others. Needs root; never
-    /// skipped.
-    #[test]
-    fn the_sweep_ends_what_lingered_long_enough() {
-        // SAFETY: geteuid has no preconditions.
-        assert_eq!(unsafe { libc::geteuid() }, 0, "needs root (eBPF)");
-        let dp = Ebpf::load(Config {
-            rewrite_splice: true,
-            ..Config::default()
-        })
-        .expect("the eBPF dataplane with the rewrite program loads");
-        let r = dp.rewriter().expect("the rewrite splice is on");
-        let now = Instant::now();
-        // Four ended connections. The program removed the second's entries (a SYN
-        // reused its client's 4-tuple); the fourth's linger is not over.
-        for i in 0..4u32 {
-            let entries = Entries {
-                from_client: key(2 * i),
-                from_pod: key(2 * i + 1),
-            };
-            if i != 1 {
-                let value = Rewrite {
-                    slot: i,
-                    ..Rewrite::default()
-                };
-                let mut map = lock(&r.map);
-                map.insert(entries.from_client, value, 0).unwrap();
-                map.insert(entries.from_pod, value, 0).unwrap();
-            }
-            r.live.fetch_add(1, Relaxed);
-            let b = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            lock(&r.lingering).push_back(Lingering {
-                due: now + Duration::from_secs(if i == 3 { 60 } else { 0 }),
-                entries,
-                slot: i,
-                upstream: OwnedFd::from(b),
-                filled: false,
-            });
-        }
-        r.sweep(now + Duration::from_millis(1));
-        assert_eq!(r.entries(), 2, "only the fourth connection's entries stay");
-        assert!(r.get(&key(6)).is_some() && r.get(&key(7)).is_some());
-        assert_eq!(r.live.load(Relaxed), 1);
-        assert_eq!(lock(&r.lingering).len(), 1);
-    }
-}
+mod tests;

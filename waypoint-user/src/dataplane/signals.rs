@@ -1,7 +1,7 @@
-//! Wake-ups for spliced sockets, sent by the verdict.
+//! Wake-ups for redirected sockets, sent by the verdict.
 //!
-//! A spliced connection must not wait for its sockets to turn readable: since Linux 6.4
-//! the kernel wakes a spliced socket's readers after every segment the verdict handles,
+//! A redirected connection must not wait for its sockets to turn readable: since Linux 6.4
+//! the kernel wakes a redirected socket's readers after every segment the verdict handles,
 //! including those it redirected away (`sk_psock_verdict_data_ready` calls the saved
 //! `data_ready`). A connection in tokio's reactor would wake its worker thread once per
 //! segment, about once per request and once per response, for nothing.

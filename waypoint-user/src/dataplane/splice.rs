@@ -13,8 +13,8 @@ use nix::fcntl::{FcntlArg, OFlag, SpliceFFlags};
 use tokio::{io::Interest, net::TcpStream};
 
 use super::{
-    classify_read_error, classify_write_error, copy::write_all, drive, shutdown_write,
-    stall::Watchdog, tally::Tally, DirEnd, Kind, Limits, Outcome,
+    classify_read_error, classify_write_error, drive, shutdown_write, stall::Watchdog,
+    tally::Tally, write_all, DirEnd, Kind, Limits, Outcome,
 };
 
 /// Default pipe capacity per direction. The kernel default (64 KiB) caps each splice

@@ -1,9 +1,9 @@
-//! A spliced connection's two sockets, watched only for what its directions wait on.
+//! A redirected connection's two sockets, watched only for what its directions wait on.
 //!
 //! tokio registers every socket for reading and writing at once, and the kernel wakes a
-//! spliced socket's readers after every segment, also one redirected away (see
-//! `signals.rs`): a spliced connection in tokio's reactor wakes its thread once per
-//! segment. So while spliced, the connection's sockets leave tokio for an epoll set of
+//! redirected socket's readers after every segment, also one redirected away (see
+//! `signals.rs`): a redirected connection in tokio's reactor wakes its thread once per
+//! segment. So while redirected, the connection's sockets leave tokio for an epoll set of
 //! their own, registered in tokio as one descriptor. Each socket's interest there is
 //! EPOLLRDHUP (a FIN or a reset: their wake-ups carry no event key, so they always match,
 //! while a segment's wake-up carries only EPOLLIN-class keys and matches nothing), plus
@@ -13,28 +13,21 @@
 
 use std::{
     io,
-    os::fd::{AsRawFd, BorrowedFd, RawFd},
+    os::fd::BorrowedFd,
     sync::{Mutex, MutexGuard},
 };
 
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
 use tokio::io::{unix::AsyncFd, Interest};
 
+use crate::sys::{self, SharedEpoll};
+
 /// Events taken from the epoll set per call: two sockets, so one call nearly always.
 const EVENTS: usize = 4;
 
-/// The epoll set, as tokio's reactor sees it.
-struct EpollFd(Epoll);
-
-impl AsRawFd for EpollFd {
-    fn as_raw_fd(&self) -> RawFd {
-        self.0 .0.as_raw_fd()
-    }
-}
-
-/// The two sockets of a spliced connection (0: downstream, 1: upstream) in an epoll set.
+/// The two sockets of a redirected connection (0: downstream, 1: upstream) in an epoll set.
 pub(super) struct Watch<'a> {
-    fd: AsyncFd<EpollFd>,
+    fd: AsyncFd<SharedEpoll>,
     socks: [BorrowedFd<'a>; 2],
     state: Mutex<State>,
 }
@@ -67,9 +60,7 @@ impl<'a> Watch<'a> {
         for (i, s) in socks.iter().enumerate() {
             epoll.add(s, EpollEvent::new(base | EpollFlags::EPOLLET, i as u64))?;
         }
-        // SAFETY: `EpollFd` owns the epoll descriptor, so it stays open for as long as
-        // the AsyncFd (its owner) lives, and `as_raw_fd` always returns that descriptor.
-        let fd = unsafe { AsyncFd::register_with_interest(EpollFd(epoll), Interest::READABLE) }?;
+        let fd = sys::register(SharedEpoll::new(epoll), Interest::READABLE)?;
         Ok(Watch {
             fd,
             socks,
@@ -123,7 +114,7 @@ impl<'a> Watch<'a> {
         // A modification looks at the socket again: if it is ready for the new interest
         // already, the event is queued, so nothing that happened before is missed.
         let mut event = EpollEvent::new(next | EpollFlags::EPOLLET, i as u64);
-        self.fd.get_ref().0.modify(self.socks[i], &mut event)?;
+        self.fd.get_ref().modify(self.socks[i], &mut event)?;
         st.interest[i] = next;
         Ok(())
     }
@@ -133,7 +124,7 @@ impl<'a> Watch<'a> {
         let mut total = 0;
         loop {
             let mut events = [EpollEvent::empty(); EVENTS];
-            let n = match self.fd.get_ref().0.wait(&mut events, EpollTimeout::ZERO) {
+            let n = match self.fd.get_ref().wait(&mut events, EpollTimeout::ZERO) {
                 Ok(n) => n,
                 Err(nix::errno::Errno::EINTR) => continue,
                 Err(e) => return Err(e.into()),

@@ -23,9 +23,9 @@ pub fn ebpf() -> Arc<Dataplane> {
         require_root();
         // Every connection enters the SockHash at once, so that these tests exercise the
         // kernel path from the first byte; `tests/dataplane_handover.rs` covers the move
-        // from the copy into the kernel (`splice_after`).
+        // from the copy into the kernel (`move_after`).
         let dp = ebpf::Ebpf::load(ebpf::Config {
-            splice_after: 0,
+            move_after: 0,
             ..ebpf::Config::default()
         })
         .expect("eBPF dataplane must load: tests run as root on a sockmap kernel");
@@ -231,10 +231,8 @@ pub async fn next_outcome(proxy: &mut Proxy, within: std::time::Duration) -> Out
 /// Tests of the eBPF dataplane need root (CAP_BPF + CAP_NET_ADMIN); CI runs them as root.
 /// They must never be skipped: fail loudly instead.
 pub fn require_root() {
-    // SAFETY: geteuid has no preconditions.
-    let euid = unsafe { libc::geteuid() };
-    assert_eq!(
-        euid, 0,
+    assert!(
+        nix::unistd::geteuid().is_root(),
         "these tests need root (eBPF); they are not skipped when run unprivileged"
     );
 }

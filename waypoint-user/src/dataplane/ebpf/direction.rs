@@ -4,10 +4,11 @@
 //! TCP holds every byte.
 
 use std::{
-    io::{self, Write as _},
+    io,
     net::TcpStream as StdTcpStream,
+    os::fd::{AsFd, BorrowedFd},
     sync::{
-        atomic::{AtomicU64, Ordering::Relaxed},
+        atomic::{AtomicBool, AtomicU64, Ordering::Relaxed},
         Mutex,
     },
     time::{Duration, Instant},
@@ -21,6 +22,7 @@ use tracing::{debug, trace};
 
 use crate::dataplane::flows::{Budget, FlowCell};
 use crate::dataplane::send_buffer::DrainProbe;
+use crate::dataplane::socket_io::{self, Writable};
 use crate::dataplane::watch::Watch;
 use crate::dataplane::{classify_read_error, classify_write_error, shutdown_write, DirEnd};
 use crate::sys::wake_writer;
@@ -29,7 +31,7 @@ use super::sockhash::*;
 /// The eBPF object built by waypoint-user's build script from waypoint-ebpf.
 use super::*;
 
-/// One direction of a spliced connection: bytes arriving on `src` go to `dst`.
+/// One direction of a redirected connection: bytes arriving on `src` go to `dst`.
 pub(super) struct Direction<'a> {
     pub(super) dp: &'a Ebpf,
     pub(super) src: &'a StdTcpStream,
@@ -52,6 +54,36 @@ pub(super) struct Direction<'a> {
     pub(super) drain: Mutex<DrainProbe>,
     /// The full budget was published before the sockets went in (no initial bytes).
     pub(super) open: bool,
+}
+
+/// A direction's destination as [`socket_io::write_all`] sees it: the connection's epoll set
+/// tells when it has room.
+struct Dst<'d, 'a> {
+    dir: &'d Direction<'a>,
+    /// Whether a write found no room (dst is then watched for it).
+    waited: AtomicBool,
+}
+
+impl AsFd for Dst<'_, '_> {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.dir.dst.as_fd()
+    }
+}
+
+impl Writable for Dst<'_, '_> {
+    async fn when_writable(
+        &self,
+        mut write: impl FnMut() -> io::Result<usize>,
+    ) -> io::Result<usize> {
+        loop {
+            self.waited.store(true, Relaxed);
+            retry(self.dir.watch.wait(1 - self.dir.side, EpollFlags::EPOLLOUT)).await?;
+            match write() {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                r => return r,
+            }
+        }
+    }
 }
 
 impl Direction<'_> {
@@ -79,7 +111,7 @@ impl Direction<'_> {
         }
 
         // Allocated when the verdict passes something (or at EOF), and freed again once
-        // the direction goes quiet: most spliced connections never need it, and a buffer
+        // the direction goes quiet: most redirected connections never need it, and a buffer
         // per direction up front was most of the daemon's memory per idle connection.
         // Never zeroed: reads go into its spare capacity (zeroing 256 KiB at every EOF
         // was a tenth of the cost of a short connection).
@@ -139,29 +171,15 @@ impl Direction<'_> {
     }
 
     /// Writes all of `bytes` to dst, waiting for room as needed.
-    async fn write_all(&self, mut bytes: &[u8]) -> io::Result<()> {
-        let dst_side = 1 - self.side;
-        let mut waited = false;
-        let written = loop {
-            if bytes.is_empty() {
-                break Ok(());
-            }
-            match (&*self.dst).write(bytes) {
-                Ok(0) => break Err(io::ErrorKind::WriteZero.into()),
-                Ok(n) => bytes = &bytes[n..],
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    waited = true;
-                    if let Err(e) = retry(self.watch.wait(dst_side, EpollFlags::EPOLLOUT)).await {
-                        break Err(e);
-                    }
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => break Err(e),
-            }
+    async fn write_all(&self, bytes: &[u8]) -> io::Result<()> {
+        let dst = Dst {
+            dir: self,
+            waited: AtomicBool::new(false),
         };
-        if waited {
+        let written = socket_io::write_all(&dst, bytes).await;
+        if dst.waited.load(Relaxed) {
             // Writable is dst's usual state: watching for it would report every ack.
-            self.watch.unwant(dst_side, EpollFlags::EPOLLOUT)?;
+            self.watch.unwant(1 - self.side, EpollFlags::EPOLLOUT)?;
         }
         written
     }

@@ -35,7 +35,7 @@ use crate::dataplane::{
     copy::{self, copy, Copied},
     drive, fin_sent, queued, read_now, resets_on_close, shutdown_write,
     stall::Watchdog,
-    tcp_info, unsent_or_unacked, write_all_now, End, Limits, Outcome, TCP_CLOSE,
+    tcp_info, unsent_or_unacked, write_now, End, Limits, Outcome, TCP_CLOSE,
 };
 
 use super::direction::Direction;
@@ -59,7 +59,7 @@ pub(super) enum Entry {
 }
 
 impl Ebpf {
-    /// The SockHash splice (after the copy, see [`Config::splice_after`]).
+    /// The SockHash redirect (after the copy, see [`Config::move_after`]).
     ///
     /// The kernel phase ([`Ebpf::redirect`], about 2.6 KB of state in a debug build) is boxed: inline, it
     /// would size every connection's task, and most connections (short or idle ones)
@@ -75,7 +75,7 @@ impl Ebpf {
         limits: Limits,
     ) -> impl Future<Output = Result<Outcome, Error>> + Send + 'static {
         let dp = Arc::clone(self);
-        if self.config.splice_after == 0 {
+        if self.config.move_after == 0 {
             return Either::Left(Box::pin(async move {
                 dp.redirect(
                     downstream,
@@ -97,7 +97,7 @@ impl Ebpf {
             upstream,
             initial,
             limits,
-            self.config.splice_after,
+            self.config.move_after,
             self.tally,
         );
         Either::Right(copy.then(move |(copied, (d2u, u2d))| match copied {
@@ -339,7 +339,7 @@ impl Ebpf {
             d2u_user = d2u_user.load(Relaxed),
             u2d_redirected = redirected(up_flow),
             u2d_user = u2d_user.load(Relaxed),
-            "spliced connection ended"
+            "redirected connection ended"
         );
         if end == End::Closed {
             // Both directions saw EOF and waited until dst's TCP held every byte before
@@ -800,7 +800,7 @@ pub(super) fn settle(down: &TcpStream, up: &TcpStream) -> io::Result<Settled> {
         }
         // An error stops a direction's write too: the direction meets it again when it
         // writes the rest, and reports it the usual way.
-        let now = |sock: &TcpStream, buf: &[u8]| write_all_now(sock, buf).unwrap_or(0);
+        let now = |sock: &TcpStream, buf: &[u8]| write_now(sock, buf).unwrap_or(0);
         let (dn, un) = (now(up, &d), now(down, &u));
         s.d2u += dn as u64;
         s.u2d += un as u64;

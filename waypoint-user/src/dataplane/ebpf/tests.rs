@@ -29,7 +29,7 @@ async fn moved(dp: &Ebpf, down: TcpStream, up: TcpStream, limits: Limits) -> Out
 /// The eBPF dataplane with every connection in the SockHash from its first byte.
 fn kernel_from_the_first_byte() -> Ebpf {
     Ebpf::load(Config {
-        splice_after: 0,
+        move_after: 0,
         ..Config::default()
     })
     .unwrap()
@@ -42,7 +42,7 @@ async fn pair() -> (TcpStream, TcpStream) {
     (a, b)
 }
 
-/// A spliced connection's task holds [`Rewriting`] (its `Rewritten` inline) for the
+/// A rewritten connection's task holds [`Rewriting`] (its `Rewritten` inline) for the
 /// connection's life, in an enum beside the SockHash path's future: it must take no
 /// more room than that, or every connection pays for it. Printed for
 /// docs/ARCHITECTURE.md.
@@ -53,8 +53,8 @@ fn the_rewrite_path_is_no_bigger_than_the_sockhash_path() {
     }
     let sockhash = returned(Ebpf::forward_sockmap);
     let rewriting = size_of::<Rewriting>();
-    let spliced = size_of::<rewrite::Rewritten>();
-    eprintln!("sockhash path {sockhash} B, rewrite path {rewriting} B (Rewritten {spliced} B)");
+    let rewritten = size_of::<rewrite::Rewritten>();
+    eprintln!("sockhash path {sockhash} B, rewrite path {rewriting} B (Rewritten {rewritten} B)");
     assert!(
         rewriting <= sockhash,
         "the rewrite path ({rewriting} B) outgrew the SockHash path ({sockhash} B)"
@@ -105,7 +105,7 @@ fn stat(dp: &Ebpf, which: Stat) -> u64 {
 #[tokio::test]
 async fn verdict_ignores_a_slot_owned_by_another_socket() {
     // SAFETY: geteuid has no preconditions.
-    assert_eq!(unsafe { libc::geteuid() }, 0, "needs root (eBPF)");
+    assert!(nix::unistd::geteuid().is_root(), "needs root (eBPF)");
     let dp = Ebpf::load(Config::default()).expect("the eBPF dataplane loads");
     let (mut client, down) = pair().await;
     let (up, mut server) = pair().await;
@@ -150,12 +150,12 @@ async fn verdict_ignores_a_slot_owned_by_another_socket() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lost_signals_wake_every_waiting_connection() {
     // SAFETY: geteuid has no preconditions.
-    assert_eq!(unsafe { libc::geteuid() }, 0, "needs root (eBPF)");
+    assert!(nix::unistd::geteuid().is_root(), "needs root (eBPF)");
     // More connections than a one-page ring holds records (4096 / 16).
     const CONNS: usize = 400;
     let dp = Arc::new(
         Ebpf::load(Config {
-            splice_after: 0,
+            move_after: 0,
             // Every segment trips the budget: each first one is signalled.
             max_inflight: 1,
             signal_ring_bytes: 4096,
@@ -240,12 +240,12 @@ async fn lost_signals_wake_every_waiting_connection() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lost_ends_of_rewritten_connections_still_end_them() {
     // SAFETY: geteuid has no preconditions.
-    assert_eq!(unsafe { libc::geteuid() }, 0, "needs root (eBPF)");
+    assert!(nix::unistd::geteuid().is_root(), "needs root (eBPF)");
     // More connections than a one-page ring holds records (4096 / 16).
     const CONNS: usize = 300;
     let dp = Arc::new(
         Ebpf::load(Config {
-            splice_after: 0,
+            move_after: 0,
             rewrite_splice: true,
             signal_ring_bytes: 4096,
             ..Config::default()
@@ -275,14 +275,14 @@ async fn lost_ends_of_rewritten_connections_still_end_them() {
     tokio::time::timeout(Duration::from_secs(10), async {
         loop {
             let (c, _) = dp.rewrite_counts().unwrap();
-            if c.spliced == CONNS as u64 && c.pending == 0 {
+            if c.rewritten == CONNS as u64 && c.pending == 0 {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     })
     .await
-    .expect("every connection is spliced by rewriting and handed over");
+    .expect("every connection is rewritten and handed over");
 
     dp.pause_signals(true);
     // Both ends close: two FINs each, and the second one's end record.
@@ -319,11 +319,11 @@ async fn lost_ends_of_rewritten_connections_still_end_them() {
 #[tokio::test]
 async fn no_free_slot_falls_back_to_userspace() {
     // SAFETY: geteuid has no preconditions.
-    assert_eq!(unsafe { libc::geteuid() }, 0, "needs root (eBPF)");
+    assert!(nix::unistd::geteuid().is_root(), "needs root (eBPF)");
     let dp = Arc::new(
         Ebpf::load(Config {
             max_sockets: 2,
-            splice_after: 0,
+            move_after: 0,
             ..Config::default()
         })
         .expect("the eBPF dataplane loads"),
@@ -366,11 +366,7 @@ async fn no_free_slot_falls_back_to_userspace() {
 async fn queued_at_least(sock: &TcpStream, n: usize) {
     tokio::time::timeout(Duration::from_secs(5), async {
         loop {
-            let mut q: libc::c_int = 0;
-            // SAFETY: FIONREAD writes one int through the pointer; the fd is open.
-            let rc = unsafe { libc::ioctl(sock.as_raw_fd(), libc::FIONREAD, &mut q) };
-            assert_eq!(rc, 0);
-            if q as usize >= n {
+            if crate::sys::queued(sock).unwrap() >= n {
                 // And tokio knows: its try_read does not even try before that.
                 sock.readable().await.unwrap();
                 return;
@@ -526,7 +522,7 @@ async fn a_long_repeat_at_the_move_is_dropped_in_userspace() {
     // What the copy read before the move.
     let (mut client, down, up, mut server, sent) = queued_and_partly_read(SENT, READ).await;
     let dp = &dp;
-    let spliced = moved(dp, down, up, Limits::default());
+    let redirected = moved(dp, down, up, Limits::default());
     let check = async {
         let mut got = vec![0u8; SENT - READ];
         tokio::time::timeout(Duration::from_secs(5), server.read_exact(&mut got))
@@ -541,7 +537,7 @@ async fn a_long_repeat_at_the_move_is_dropped_in_userspace() {
         assert!(rest.is_empty(), "{} bytes more than sent", rest.len());
         server.shutdown().await.unwrap();
     };
-    let (outcome, ()) = tokio::join!(spliced, check);
+    let (outcome, ()) = tokio::join!(redirected, check);
     assert_eq!(outcome.end, End::Closed);
     assert_eq!(outcome.downstream_to_upstream, (SENT - READ) as u64);
     assert_eq!(
@@ -570,7 +566,7 @@ async fn a_long_repeat_at_the_move_strands_the_bytes_behind_it() {
         idle_timeout: Duration::from_secs(3),
         ..Limits::default()
     };
-    let spliced = moved(dp, down, up, limits);
+    let redirected = moved(dp, down, up, limits);
     let check = async {
         let mut got = vec![0u8; SENT - READ];
         server.read_exact(&mut got).await.unwrap();
@@ -582,7 +578,7 @@ async fn a_long_repeat_at_the_move_strands_the_bytes_behind_it() {
             "the bytes behind a long repeat were not stranded"
         );
     };
-    let (outcome, ()) = tokio::join!(spliced, check);
+    let (outcome, ()) = tokio::join!(redirected, check);
     assert_eq!(stat(dp, Stat::PassedRepeat), 1);
     // The idle timeout ends it, with a reset: bytes are held.
     assert_eq!(outcome.end, End::IdleTimeout);
@@ -599,7 +595,7 @@ async fn a_long_repeat_at_the_move_strands_the_bytes_behind_it() {
 async fn a_fin_racing_the_insertion_leaves_one_socket_in_and_loses_nothing() {
     const UP: usize = 300_000;
     let dp = Ebpf::load(Config {
-        splice_after: 0,
+        move_after: 0,
         hooks: Hooks {
             sockhash_entry_pause: Some(Duration::from_millis(300)),
             ..Hooks::default()
@@ -620,11 +616,11 @@ async fn a_fin_racing_the_insertion_leaves_one_socket_in_and_loses_nothing() {
     let fd = client.as_raw_fd();
     let fin = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(100));
-        // SAFETY: the descriptor stays open (the test holds `client`) until joined.
-        unsafe { libc::shutdown(fd, libc::SHUT_WR) };
+        // The descriptor stays open (the test holds `client`) until joined.
+        nix::sys::socket::shutdown(fd, nix::sys::socket::Shutdown::Write).unwrap();
     });
     let dp = &dp;
-    let spliced = moved(dp, down, up, Limits::default());
+    let redirected = moved(dp, down, up, Limits::default());
     let check = async {
         let mut got = Vec::new();
         let pod = async {
@@ -640,7 +636,7 @@ async fn a_fin_racing_the_insertion_leaves_one_socket_in_and_loses_nothing() {
         assert!(back == to_client, "the client's bytes differ");
     };
     let (outcome, ()) = tokio::time::timeout(Duration::from_secs(20), async {
-        tokio::join!(spliced, check)
+        tokio::join!(redirected, check)
     })
     .await
     .expect("the connection never ended");
@@ -666,7 +662,7 @@ async fn the_move_leaves_no_partly_read_segment_behind() {
     const MORE: usize = 1000;
     let dp = Arc::new(
         Ebpf::load(Config {
-            splice_after: 400_000,
+            move_after: 400_000,
             ..Config::default()
         })
         .unwrap(),

@@ -146,7 +146,7 @@ impl Rewriter {
                 &(data + FILL_HEADROOM),
             );
         }
-        let sent = match super::super::write_all_now(upstream, &bytes) {
+        let sent = match super::super::write_now(upstream, &bytes) {
             Ok(n) if n == data => {
                 if fin {
                     super::super::shutdown_write(upstream)

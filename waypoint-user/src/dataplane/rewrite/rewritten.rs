@@ -1,4 +1,4 @@
-//! A connection spliced by rewriting, after its hand-over: [`Rewritten`] waits for the
+//! A connection rewritten, after its hand-over: [`Rewritten`] waits for the
 //! program's report of its end (or its idle timeout or lifetime), then lets its entries
 //! linger ([`Lingering`]) for the last ACK and any resent FIN.
 
@@ -19,7 +19,7 @@ use crate::dataplane::{End, Limits, Outcome};
 
 use super::*;
 
-/// What the hand-over leaves of a spliced connection: all [`Rewritten`] needs.
+/// What the hand-over leaves of a rewritten connection: all [`Rewritten`] needs.
 pub(in crate::dataplane) struct HandedOver {
     pub(super) addrs: Addrs,
     pub(super) slot: u32,
@@ -42,11 +42,11 @@ pub(in crate::dataplane) struct HandedOver {
 }
 
 pin_project_lite::pin_project! {
-    /// The spliced phase: waits for the connection's end (a signal from the program, the
+    /// The rewritten phase: waits for the connection's end (a signal from the program, the
     /// idle timeout, the lifetime) and returns the outcome, leaving the entries of an end
     /// that came by itself to linger ([`Rewriter::sweep`]).
     ///
-    /// Hand-written, and all of a spliced connection's state in the daemon (about 250
+    /// Hand-written, and all of a rewritten connection's state in the daemon (about 250
     /// bytes, inline in the connection's task): an `async fn` would hold the hand-over's
     /// state beside it. Dropped before its end (the drain deadline), it ends the
     /// connection: entries out, both ends reset.
@@ -75,8 +75,8 @@ pub(super) struct Conn {
     pub(super) phase: Phase,
 }
 
-/// Where a spliced connection is in its life. One enum rather than a field per phase:
-/// it sizes every spliced connection's task.
+/// Where a rewritten connection is in its life. One enum rather than a field per phase:
+/// it sizes every rewritten connection's task.
 #[derive(Clone, Copy)]
 pub(super) enum Phase {
     /// Going on.
@@ -268,7 +268,7 @@ impl Drop for Conn {
     fn drop(&mut self) {
         if let Phase::Live { .. } = self.phase {
             self.unregister();
-            debug!(client = %self.addrs.client, "spliced connection ended by the daemon: both ends reset");
+            debug!(client = %self.addrs.client, "rewritten connection ended by the daemon: both ends reset");
             let entries = self.addrs.entries();
             self.rewriter.abort(&self.addrs, &entries, self.slot, None);
             if self.filled {

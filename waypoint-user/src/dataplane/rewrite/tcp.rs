@@ -15,7 +15,7 @@ use crate::sys;
 
 use super::*;
 
-/// The four addresses of a connection that can be spliced by rewriting.
+/// The four addresses of a connection that can be rewritten.
 #[derive(Clone, Copy)]
 pub(super) struct Addrs {
     pub(super) client: SocketAddrV4,
@@ -147,7 +147,7 @@ pub(super) fn selected_seq(fd: RawFd) -> io::Result<u32> {
 }
 
 /// Sends a reset from `from` to `to` with sequence number `seq`, through a raw socket:
-/// a spliced connection's ends no longer talk to the waypoint's sockets, whose own
+/// a rewritten connection's ends no longer talk to the waypoint's sockets, whose own
 /// resets would carry sequence numbers the ends left behind (and be ignored).
 pub(super) fn send_rst(from: SocketAddrV4, to: SocketAddrV4, seq: u32) -> io::Result<()> {
     let sock = socket2::Socket::new(

@@ -1,0 +1,61 @@
+//! The rewrite's unit tests (root, eBPF): the hand-over against the loaded program.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+use super::*;
+use crate::dataplane::ebpf::{Config, Ebpf};
+
+fn key(i: u32) -> RewriteKey {
+    RewriteKey {
+        saddr: i,
+        daddr: i,
+        sport: 1,
+        dport: 2,
+    }
+}
+
+/// The sweep ends the lingering connections whose linger is over, in one batch that
+/// an entry already gone does not stop, and leaves the others. Needs root; never
+/// skipped.
+#[test]
+fn the_sweep_ends_what_lingered_long_enough() {
+    // SAFETY: geteuid has no preconditions.
+    assert!(nix::unistd::geteuid().is_root(), "needs root (eBPF)");
+    let dp = Ebpf::load(Config {
+        rewrite_splice: true,
+        ..Config::default()
+    })
+    .expect("the eBPF dataplane with the rewrite program loads");
+    let r = dp.rewriter().expect("the rewrite splice is on");
+    let now = Instant::now();
+    // Four ended connections. The program removed the second's entries (a SYN
+    // reused its client's 4-tuple); the fourth's linger is not over.
+    for i in 0..4u32 {
+        let entries = Entries {
+            from_client: key(2 * i),
+            from_pod: key(2 * i + 1),
+        };
+        if i != 1 {
+            let value = Rewrite {
+                slot: i,
+                ..Rewrite::default()
+            };
+            let mut map = lock(&r.map);
+            map.insert(entries.from_client, value, 0).unwrap();
+            map.insert(entries.from_pod, value, 0).unwrap();
+        }
+        r.live.fetch_add(1, Relaxed);
+        let b = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        lock(&r.lingering).push_back(Lingering {
+            due: now + Duration::from_secs(if i == 3 { 60 } else { 0 }),
+            entries,
+            slot: i,
+            upstream: OwnedFd::from(b),
+            filled: false,
+        });
+    }
+    r.sweep(now + Duration::from_millis(1));
+    assert_eq!(r.entries(), 2, "only the fourth connection's entries stay");
+    assert!(r.get(&key(6)).is_some() && r.get(&key(7)).is_some());
+    assert_eq!(r.live.load(Relaxed), 1);
+    assert_eq!(lock(&r.lingering).len(), 1);
+}
