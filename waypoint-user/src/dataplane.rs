@@ -35,6 +35,7 @@ mod tally;
 mod watch;
 
 pub use stall::DEFAULT_STALL_AFTER;
+pub use tally::Taken;
 
 pub(crate) use crate::sys::{queued, tcp_info, unsent_or_unacked};
 pub(crate) use socket_io::{read_now, write_all, write_now};
@@ -243,6 +244,25 @@ impl Dataplane {
         self.tally().wakeups()
     }
 
+    /// Connections by the path they took and why (see [`Taken`]): every path this
+    /// dataplane can take, zeros included.
+    pub fn paths(&self) -> Vec<(Taken, u64)> {
+        let rewrite = matches!(self, Dataplane::Ebpf(e) if e.rewrites());
+        let applies = |t: &Taken| match (self, t) {
+            (Dataplane::Splice(_), t) => *t == Taken::Spliced,
+            (Dataplane::Copy(_), t) => *t == Taken::Copied,
+            (Dataplane::Ebpf(_), Taken::Rewritten) => rewrite,
+            (Dataplane::Ebpf(_), Taken::Redirected(why)) => why.is_some() == rewrite,
+            (Dataplane::Ebpf(_), Taken::CopiedShort | Taken::CopiedFallback) => true,
+            (Dataplane::Ebpf(_), Taken::Spliced | Taken::Copied) => false,
+        };
+        self.tally()
+            .taken()
+            .into_iter()
+            .filter(|(t, _)| applies(t))
+            .collect()
+    }
+
     /// This dataplane's parked connections' counts; all zero before its first parking.
     pub fn parking(&self) -> Parking {
         self.tally().parking()
@@ -291,6 +311,7 @@ impl Dataplane {
             // Boxed: its state (two pumps with pipes, 1.4 KB) would otherwise size every
             // connection's task, whichever dataplane runs.
             Dataplane::Splice(d) => {
+                d.tally().took(tally::Taken::Spliced);
                 let d = d.clone();
                 Either::Right(Either::Left(
                     Box::pin(async move {
@@ -301,6 +322,7 @@ impl Dataplane {
                 ))
             }
             Dataplane::Copy(d) => {
+                d.tally().took(tally::Taken::Copied);
                 let d = d.clone();
                 Either::Right(Either::Right(
                     futures::future::ready(Socket::register_both(downstream, upstream))

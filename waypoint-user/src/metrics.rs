@@ -45,6 +45,12 @@ struct PathLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PathReasonLabel {
+    path: &'static str,
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ResultLabel {
     result: &'static str,
 }
@@ -145,6 +151,19 @@ fn gauge(n: u64) -> ConstGauge<i64> {
 
 impl Collector for DataplaneCollector {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        family(
+            &mut encoder,
+            "dataplane_path",
+            "Connections by the path they took, once it was final, and why not the faster \
+             one: rewrite (qualified); redirect, the SockHash (rewrite_off, or the \
+             rewrite's refusal: not_ipv4, options, busy, setup, local); copy (short: ended \
+             before --move-after; fallback: could not enter the SockHash; dataplane: the \
+             copy dataplane); splice (dataplane)",
+            self.dataplane.paths().into_iter().map(|(t, n)| {
+                let (path, reason) = t.labels();
+                (PathReasonLabel { path, reason }, counter(n))
+            }),
+        )?;
         if let Dataplane::Ebpf(e) = &*self.dataplane {
             let stats = e.stats();
             // A lost signal is not a segment of its own: its segment is counted too.

@@ -1,5 +1,5 @@
 //! The rewrite splice (`--rewrite-splice`): connections whose client and pod are on this
-//! host are rewritten (its packet headers rewritten) in a TC program on `lo`. Each test loads
+//! host have their packet headers rewritten by a TC program on `lo`. Each test loads
 //! its own dataplane (a TCX program each, chained on `lo`), so that its counters and map
 //! entries are its own.
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
@@ -14,7 +14,7 @@ use tokio::{
 use waypoint::dataplane::{
     ebpf,
     rewrite::{self, Refusal},
-    Dataplane, End, Limits,
+    Dataplane, End, Limits, Taken,
 };
 use waypoint_common::RewriteStat;
 
@@ -124,7 +124,13 @@ async fn bulk_256mib_each_way_intact() {
     const TOTAL: u64 = 256 * 1024 * 1024;
     let (dp, e) = load();
     let back = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let mut proxy = common::proxy(dp, back.local_addr().unwrap(), HELLO, Limits::default()).await;
+    let mut proxy = common::proxy(
+        dp.clone(),
+        back.local_addr().unwrap(),
+        HELLO,
+        Limits::default(),
+    )
+    .await;
     let addr = proxy.addr;
     let c = tokio::spawn(async move {
         let c = client(addr).await;
@@ -144,6 +150,12 @@ async fn bulk_256mib_each_way_intact() {
     let (counts, stats) = e.rewrite_counts().unwrap();
     eprintln!("{counts:?} {stats:?}");
     assert_eq!(counts.rewritten, 1, "rewritten, not by the SockHash");
+    // Its path: the rewrite. With the rewrite on, every path the eBPF dataplane can take
+    // is listed: rewritten, redirected for each refusal, copied short or as a fallback.
+    let paths = dp.paths();
+    assert_eq!(paths.len(), 1 + Refusal::ALL.len() + 2, "{paths:?}");
+    let took: Vec<_> = paths.into_iter().filter(|(_, n)| *n > 0).collect();
+    assert_eq!(took, [(Taken::Rewritten, 1)]);
     assert_eq!(counts.stranded, 0);
     assert!(
         stat(&e, RewriteStat::Rewritten) > 1_000,
@@ -1199,7 +1211,7 @@ async fn ipv6_is_refused_to_the_sockhash_path() {
     let back = TcpListener::bind("[::1]:0").await.unwrap();
     let bind = "[::1]:0".parse().unwrap();
     let upstream = back.local_addr().unwrap();
-    let mut proxy = common::proxy_at(bind, dp, upstream, HELLO, Limits::default()).await;
+    let mut proxy = common::proxy_at(bind, dp.clone(), upstream, HELLO, Limits::default()).await;
     let pod = echo_pod(&back);
     let stream = std::net::TcpStream::connect(proxy.addr).unwrap();
     let ((), total) = tokio::join!(pod, echo_through(stream));
@@ -1209,6 +1221,9 @@ async fn ipv6_is_refused_to_the_sockhash_path() {
     let (counts, _) = e.rewrite_counts().unwrap();
     assert_eq!(counts.refused[Refusal::NotIpv4 as usize], 1, "{counts:?}");
     assert_eq!(counts.rewritten, 0);
+    // Its path, and why not the rewrite: the SockHash, for want of IPv4.
+    let took: Vec<_> = dp.paths().into_iter().filter(|(_, n)| *n > 0).collect();
+    assert_eq!(took, [(Taken::Redirected(Some(Refusal::NotIpv4)), 1)]);
 }
 
 /// Once the program is on both peers' veths: the pod serving, a proxy to it on every

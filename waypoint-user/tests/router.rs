@@ -186,6 +186,20 @@ async fn routes_through(dataplane: &str, pod_ip: &str, port: u16) {
         body.contains(&format!("\ndataplane {dataplane} (asked)\n")),
         "{body}"
     );
+    // Each connection counted once, on the path it took. The splice and copy
+    // dataplanes have one path; the eBPF dataplane's depends on timing (see below).
+    let paths: Vec<(&str, f64)> = m
+        .lines()
+        .filter(|l| l.starts_with("waypoint_dataplane_path_total{"))
+        .filter_map(|l| l.rsplit_once(' '))
+        .map(|(k, v)| (k, v.parse().unwrap()))
+        .collect();
+    assert_eq!(paths.iter().map(|(_, n)| n).sum::<f64>(), 3.0, "{m}");
+    if dataplane != "ebpf" {
+        let only =
+            format!("waypoint_dataplane_path_total{{path=\"{dataplane}\",reason=\"dataplane\"}}");
+        assert_eq!(paths, [(only.as_str(), 3.0)], "{m}");
+    }
     // The stall watchdog's counter is there from the start, at zero: nothing stalled.
     assert!(
         m.contains(&format!(
@@ -200,11 +214,14 @@ async fn routes_through(dataplane: &str, pod_ip: &str, port: u16) {
         // both ways must move, and enter the SockHash, every time.
         let moved = "waypoint_ebpf_connections_total{path=\"moved\"}";
         let fallback = "waypoint_ebpf_connections_total{path=\"fallback\"}";
+        let redirected = "waypoint_dataplane_path_total{path=\"redirect\",reason=\"rewrite_off\"}";
         let (moved0, fallback0) = (sample(admin, moved).await, sample(admin, fallback).await);
+        let redirected0 = sample(admin, redirected).await;
         echo_after_a_pause(app.tunnel_addr, &classic, &payload[..64 << 10], &payload).await;
         let m = common::daemon::metrics(admin).await;
         assert_eq!(sample(admin, moved).await - moved0, 1.0, "{m}");
         assert_eq!(sample(admin, fallback).await - fallback0, 0.0, "{m}");
+        assert_eq!(sample(admin, redirected).await - redirected0, 1.0, "{m}");
     }
     app.shutdown().await;
 }

@@ -68,7 +68,7 @@ fn two_clusters_ebpf() {
     run("ebpf", &[], false);
 }
 
-/// The same world with every connection rewritten (its packet headers rewritten): the
+/// The same world with every connection rewritten by the TC program: the
 /// client's packets arrive on a node's uplink and leave towards the pod's bridge, and
 /// back.
 #[test]

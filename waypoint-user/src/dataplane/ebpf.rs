@@ -54,7 +54,7 @@ use super::flows::{self, FlowTable};
 use super::links;
 use super::rewrite::{self, Rewriter};
 use super::signals::{self, Signals};
-use super::tally::Tally;
+use super::tally::{Taken, Tally};
 use super::{btf, End, Kind, Limits, Outcome, Socket};
 
 /// The eBPF object built by waypoint-user's build script from waypoint-ebpf.
@@ -700,6 +700,11 @@ impl Ebpf {
         self.rewrite.as_ref()
     }
 
+    /// The rewrite is on (`--rewrite-splice`, and the kernel took its program).
+    pub fn rewrites(&self) -> bool {
+        self.rewrite.is_some()
+    }
+
     /// See [`super::Dataplane::forward`]: the rewrite splice for a connection it can
     /// take (see `rewrite.rs`), else [`Ebpf::forward_sockmap`].
     pub fn forward(
@@ -715,18 +720,18 @@ impl Ebpf {
                 futures::future::ready(
                     Socket::register_both(downstream, upstream).map_err(Error::from),
                 ),
-                move |(down, up)| dp.forward_sockmap(down, up, initial, limits),
+                move |(down, up)| dp.forward_sockmap(down, up, initial, limits, None),
             ));
         }
         let dp = Arc::clone(self);
         Either::Right(Rewriting::HandOver {
             fut: Box::pin(async move {
-                let sockmap = |downstream, upstream, initial| match Socket::register_both(
+                let sockmap = |downstream, upstream, initial, why| match Socket::register_both(
                     downstream, upstream,
                 ) {
-                    Ok((down, up)) => {
-                        HandOver::Sockmap(Box::pin(dp.forward_sockmap(down, up, initial, limits)))
-                    }
+                    Ok((down, up)) => HandOver::Sockmap(Box::pin(
+                        dp.forward_sockmap(down, up, initial, limits, why),
+                    )),
                     Err(e) => HandOver::Ended(Outcome {
                         downstream_to_upstream: 0,
                         upstream_to_downstream: 0,
@@ -734,10 +739,11 @@ impl Ebpf {
                     }),
                 };
                 let Some(rewriter) = dp.rewrite.clone() else {
-                    return sockmap(downstream, upstream, initial);
+                    return sockmap(downstream, upstream, initial, None);
                 };
                 match rewriter.hand_over(downstream, upstream, initial).await {
                     Ok(Ok(handed)) => {
+                        dp.tally.took(Taken::Rewritten);
                         HandOver::Rewritten(rewrite::Rewritten::new(rewriter, handed, limits))
                     }
                     Ok(Err(e)) => HandOver::Ended(Outcome {
@@ -745,7 +751,12 @@ impl Ebpf {
                         upstream_to_downstream: 0,
                         end: End::Error(e.kind()),
                     }),
-                    Err(refused) => sockmap(refused.downstream, refused.upstream, refused.initial),
+                    Err(refused) => sockmap(
+                        refused.downstream,
+                        refused.upstream,
+                        refused.initial,
+                        Some(refused.reason),
+                    ),
                 }
             }),
         })

@@ -41,6 +41,8 @@ use crate::dataplane::{
 use super::direction::Direction;
 /// The eBPF object built by waypoint-user's build script from waypoint-ebpf.
 use super::*;
+use crate::dataplane::rewrite::Refusal;
+use crate::dataplane::tally::Taken;
 
 /// How a connection's sockets enter the SockHash.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,6 +75,7 @@ impl Ebpf {
         upstream: TcpStream,
         initial: Vec<u8>,
         limits: Limits,
+        why: Option<Refusal>,
     ) -> impl Future<Output = Result<Outcome, Error>> + Send + 'static {
         let dp = Arc::clone(self);
         if self.config.move_after == 0 {
@@ -80,10 +83,10 @@ impl Ebpf {
                 dp.redirect(
                     downstream,
                     upstream,
-                    initial,
-                    Vec::new(),
+                    (initial, Vec::new()),
                     limits,
                     Entry::Drain,
+                    why,
                 )
                 .await
             }));
@@ -107,13 +110,17 @@ impl Ebpf {
                     stall_after: limits.stall_after.filter(|_| !stalled),
                     ..limits
                 };
-                dp.after_move(down, up, (d2u, u2d), limits, start).await
+                dp.after_move(down, up, (d2u, u2d), limits, start, why)
+                    .await
             })),
-            Copied::Ended(end) => Either::Right(std::future::ready(Ok(Outcome {
-                downstream_to_upstream: d2u,
-                upstream_to_downstream: u2d,
-                end,
-            }))),
+            Copied::Ended(end) => {
+                dp.tally.took(Taken::CopiedShort);
+                Either::Right(std::future::ready(Ok(Outcome {
+                    downstream_to_upstream: d2u,
+                    upstream_to_downstream: u2d,
+                    end,
+                })))
+            }
         }))
     }
 
@@ -126,6 +133,7 @@ impl Ebpf {
         (d2u, u2d): (u64, u64),
         limits: Limits,
         start: Instant,
+        why: Option<Refusal>,
     ) -> Result<Outcome, Error> {
         self.handovers.fetch_add(1, Relaxed);
         debug!(d2u, u2d, "moving the connection into the kernel");
@@ -141,10 +149,10 @@ impl Ebpf {
                 .redirect(
                     downstream,
                     upstream,
-                    Vec::new(),
-                    Vec::new(),
+                    (Vec::new(), Vec::new()),
                     limits,
                     Entry::Kick,
+                    why,
                 )
                 .await?;
             outcome.downstream_to_upstream += d2u;
@@ -171,10 +179,10 @@ impl Ebpf {
             .redirect(
                 downstream,
                 upstream,
-                settled.down_rest,
-                settled.up_rest,
+                (settled.down_rest, settled.up_rest),
                 limits,
                 Entry::Drain,
+                why,
             )
             .await?;
         outcome.downstream_to_upstream += d2u + settled.d2u;
@@ -190,10 +198,10 @@ impl Ebpf {
         &self,
         downstream: TcpStream,
         upstream: TcpStream,
-        mut down_initial: Vec<u8>,
-        mut up_initial: Vec<u8>,
+        (mut down_initial, mut up_initial): (Vec<u8>, Vec<u8>),
         limits: Limits,
         entry: Entry,
+        why: Option<Refusal>,
     ) -> Result<Outcome, Error> {
         let entered = self.enter(
             &downstream,
@@ -220,6 +228,7 @@ impl Ebpf {
         };
         let Some((down_flow, up_flow)) = attached else {
             self.fallbacks.fetch_add(1, Relaxed);
+            self.tally.took(Taken::CopiedFallback);
             for i in 0..2 {
                 reg.set_credit(i, 0);
             }
@@ -239,6 +248,8 @@ impl Ebpf {
             drop(reg);
             return Ok(outcome);
         };
+        // Both sockets are in: the kernel carries it from here.
+        self.tally.took(Taken::Redirected(why));
         let Some([down_slot, up_slot]) = reg.slots() else {
             abort_on_close(&downstream);
             abort_on_close(&upstream);

@@ -21,9 +21,16 @@ use super::*;
 /// A connection moved from the copy into the SockHash (`Entry::Kick`), forwarded to its
 /// end.
 async fn moved(dp: &Ebpf, down: TcpStream, up: TcpStream, limits: Limits) -> Outcome {
-    dp.redirect(down, up, Vec::new(), Vec::new(), limits, Entry::Kick)
-        .await
-        .unwrap()
+    dp.redirect(
+        down,
+        up,
+        (Vec::new(), Vec::new()),
+        limits,
+        Entry::Kick,
+        None,
+    )
+    .await
+    .unwrap()
 }
 
 /// The eBPF dataplane with every connection in the SockHash from its first byte.
@@ -48,7 +55,7 @@ async fn pair() -> (TcpStream, TcpStream) {
 /// docs/ARCHITECTURE.md.
 #[test]
 fn the_rewrite_path_is_no_bigger_than_the_sockhash_path() {
-    fn returned<A, B, C, D, E, R>(_: fn(A, B, C, D, E) -> R) -> usize {
+    fn returned<A, B, C, D, E, F, R>(_: fn(A, B, C, D, E, F) -> R) -> usize {
         size_of::<R>()
     }
     let sockhash = returned(Ebpf::forward_sockmap);
@@ -668,7 +675,7 @@ async fn the_move_leaves_no_partly_read_segment_behind() {
         .unwrap(),
     );
     let (mut client, down, up, mut server, sent) = queued_and_partly_read(SENT, 0).await;
-    let forwarded = dp.forward_sockmap(down, up, Vec::new(), Limits::default());
+    let forwarded = dp.forward_sockmap(down, up, Vec::new(), Limits::default(), None);
     let check = async {
         let mut got = vec![0u8; SENT];
         server.read_exact(&mut got).await.unwrap();
