@@ -559,6 +559,31 @@ pub fn markdown(run: &Run, machine: &Value) -> String {
     }
     out.push_str("\nThe goals are the waypoint's (ebpf, ebpf-rewrite, splice, copy); nginx and HAProxy are judged the same way for reference.\n");
 
+    let with_paths: Vec<_> = run.results.iter().filter(|r| !r.paths.is_empty()).collect();
+    if !with_paths.is_empty() {
+        let _ = writeln!(
+            out,
+            "\n## Paths taken\n\nThe waypoint's connections over its measured turns, by \
+             the path each took and why not the faster one \
+             (`waypoint_dataplane_path_total`); the share is of that router's connections.\n"
+        );
+        let _ = writeln!(
+            out,
+            "| router | path | reason | connections | share |\n|---|---|---|---|---|"
+        );
+        for r in with_paths {
+            let total: f64 = r.paths.values().sum();
+            for ((path, reason), n) in r.paths.iter().filter(|(_, n)| **n > 0.0) {
+                let _ = writeln!(
+                    out,
+                    "| {} | {path} | {reason} | {n:.0} | {:.1} % |",
+                    r.kind.name(),
+                    100.0 * n / total
+                );
+            }
+        }
+    }
+
     let errors: Vec<String> = run
         .results
         .iter()
@@ -656,6 +681,9 @@ pub fn json(run: &Run, machine: &Value) -> Value {
                         "opened": m.opened, "wanted": m.wanted, "bytes_per_conn": m.per_conn(), "error": m.error, "parked": m.parked,
                     })).collect::<Vec<_>>(),
                 },
+                "paths": r.paths.iter().map(|((path, reason), n)| json!({
+                    "path": path, "reason": reason, "connections": n,
+                })).collect::<Vec<_>>(),
                 "errors": r.errors,
             })
         }).collect::<Vec<_>>(),

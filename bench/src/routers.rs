@@ -65,11 +65,11 @@ pub enum Kind {
     Copy,
     Nginx,
     Haproxy,
-    /// The waypoint's eBPF dataplane with `--rewrite-splice`: connections rewritten by
-    /// rewriting packet headers on lo (every bench connection is same-host).
+    /// The waypoint's eBPF dataplane with `--rewrite-splice`: the TC program rewrites
+    /// connections' packet headers on lo (every bench connection is same-host).
     EbpfRewrite,
     /// Experiment, not a product: `experiments/tcp-rewrite` (a Python SNI proxy whose
-    /// connections are rewritten (its packet headers rewritten) at lo's TC ingress). Only
+    /// connections get their packet headers rewritten at lo's TC ingress). Only
     /// with `--only tc-rewrite`; see docs/PERFORMANCE.md.
     TcRewrite,
 }

@@ -115,6 +115,9 @@ pub struct Results {
     /// Per opener count in `Settings::churn_openers` order, unpinned.
     pub churn: Vec<Vec<ChurnRun>>,
     pub memory: Vec<Memory>,
+    /// The waypoint's connections by the path they took and why
+    /// (`waypoint_dataplane_path_total`), summed over its measured turns.
+    pub paths: std::collections::BTreeMap<(String, String), f64>,
     pub errors: Vec<String>,
 }
 
@@ -181,6 +184,7 @@ pub fn run(s: Settings, servers: &Servers) -> anyhow::Result<Run> {
             wake: Vec::new(),
             churn: vec![Vec::new(); s.churn_openers.len()],
             memory: Vec::new(),
+            paths: std::collections::BTreeMap::new(),
             errors: Vec::new(),
         })
         .collect();
@@ -207,6 +211,9 @@ pub fn run(s: Settings, servers: &Servers) -> anyhow::Result<Run> {
             match Router::start(out.kind, &setup) {
                 Ok(mut r) => {
                     measure(&s, servers, &r, out, rep, me, hz);
+                    for (key, n) in r.admin.map(paths).unwrap_or_default() {
+                        *out.paths.entry(key).or_default() += n;
+                    }
                     r.stop();
                 }
                 Err(e) => {
@@ -487,4 +494,49 @@ fn memory(s: &Settings, setup: &Setup<'_>, kind: Kind) -> anyhow::Result<Memory>
         );
     }
     Ok(m)
+}
+
+/// The waypoint's `waypoint_dataplane_path_total` samples at `admin` (empty when its
+/// /metrics does not answer).
+fn paths(admin: std::net::SocketAddr) -> Vec<((String, String), f64)> {
+    crate::scale::metrics_text(admin).map_or_else(Vec::new, |t| parse_paths(&t))
+}
+
+/// `waypoint_dataplane_path_total` in an exposition: (path, reason) → connections.
+fn parse_paths(text: &str) -> Vec<((String, String), f64)> {
+    text.lines()
+        .filter_map(|l| l.strip_prefix("waypoint_dataplane_path_total{"))
+        .filter_map(|l| {
+            let (labels, value) = l.split_once("} ")?;
+            let label = |name: &str| {
+                let rest = labels.split(&format!("{name}=\"")).nth(1)?;
+                Some(rest.split('"').next()?.to_owned())
+            };
+            Some((
+                (label("path")?, label("reason")?),
+                value.trim().parse().ok()?,
+            ))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    /// The path counts are read off the exposition by label, whatever their order, and
+    /// nothing else is taken for them.
+    #[test]
+    fn path_samples_are_read_by_label() {
+        let text = "# TYPE waypoint_dataplane_path counter\n\
+            waypoint_dataplane_path_total{path=\"rewrite\",reason=\"qualified\"} 7\n\
+            waypoint_dataplane_path_total{reason=\"busy\",path=\"redirect\"} 2\n\
+            waypoint_dataplane_stalls_total{dataplane=\"ebpf\"} 0\n";
+        let key = |p: &str, r: &str| (p.to_owned(), r.to_owned());
+        assert_eq!(
+            super::parse_paths(text),
+            [
+                (key("rewrite", "qualified"), 7.0),
+                (key("redirect", "busy"), 2.0)
+            ]
+        );
+    }
 }
