@@ -114,23 +114,20 @@ pub(crate) fn bulk(v: &Variant, sink: &Sink, streams: usize, s: &Settings, hz: f
     });
     thread::sleep(s.warmup);
 
-    let (b0, cpu0, p0, x0, e0, t0) = (
-        sink.bytes.load(Relaxed),
-        CpuStat::read(),
-        process_cpu(),
-        proxy_threads_cpu(hz),
-        v.ebpf_stats(),
-        Instant::now(),
-    );
+    // Everything the window's figures are differences of, read at its start and end.
+    let snapshot = || {
+        (
+            sink.bytes.load(Relaxed),
+            CpuStat::read(),
+            process_cpu(),
+            proxy_threads_cpu(hz),
+            v.ebpf_stats(),
+            Instant::now(),
+        )
+    };
+    let (b0, cpu0, p0, x0, e0, t0) = snapshot();
     thread::sleep(s.duration);
-    let (b1, cpu1, p1, x1, e1, t1) = (
-        sink.bytes.load(Relaxed),
-        CpuStat::read(),
-        process_cpu(),
-        proxy_threads_cpu(hz),
-        v.ebpf_stats(),
-        Instant::now(),
-    );
+    let (b1, cpu1, p1, x1, e1, t1) = snapshot();
 
     stop.store(true, Relaxed);
     for c in clients {
