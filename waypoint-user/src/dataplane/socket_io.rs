@@ -105,7 +105,7 @@ pub(crate) async fn write_all_unregistered(
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, reason = "tests")]
+    #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
     use super::*;
     use tokio::io::AsyncReadExt as _;
 
@@ -158,6 +158,42 @@ mod tests {
         write_all(&sender, &data[first..]).await.unwrap();
         drop(sender);
         assert!(reader.await.unwrap() == data, "bytes lost or out of order");
+    }
+
+    /// A peer that resets while the writer waits for room: the error comes back, the
+    /// write never hangs.
+    #[tokio::test]
+    async fn a_reset_peer_ends_the_write_with_an_error() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let sender = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        socket2::SockRef::from(&sender)
+            .set_send_buffer_size(4096)
+            .unwrap();
+        let (receiver, _) = listener.accept().await.unwrap();
+        let data = vec![7u8; 4 << 20];
+        let reset = async {
+            // Closing with unread bytes and a zero linger sends RST.
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            socket2::SockRef::from(&receiver)
+                .set_linger(Some(std::time::Duration::ZERO))
+                .unwrap();
+            drop(receiver);
+        };
+        let (written, ()) = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+            tokio::join!(write_all(&sender, &data), reset)
+        })
+        .await
+        .expect("the write ends once the peer resets");
+        let e = written.expect_err("4 MiB cannot all go to a peer that reset");
+        assert!(
+            matches!(
+                e.kind(),
+                io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe
+            ),
+            "{e}"
+        );
     }
 
     /// An unregistered pod socket whose send buffer fills: the writer waits for it to
