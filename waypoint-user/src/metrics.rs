@@ -241,8 +241,23 @@ impl Collector for DataplaneCollector {
                     &mut encoder,
                     "rewrite_live",
                     "Connections rewritten whose map entries are in: open, or \
-                     ended and lingering (3 s, for a last ACK or a resent FIN)",
+                     ended and lingering (up to 3 s, for a last ACK or a resent FIN)",
                     gauge(counts.live),
+                )?;
+                single(
+                    &mut encoder,
+                    "rewrite_lingers_cut",
+                    "Ended connections whose 3 s linger was cut short because more than \
+                     waypoint_rewrite_linger_limit lingered (each holds a local port to the \
+                     pod and a descriptor)",
+                    counter(counts.lingers_cut),
+                )?;
+                single(
+                    &mut encoder,
+                    "rewrite_linger_limit",
+                    "How many ended connections may linger at once: a quarter of the \
+                     ephemeral port range and of the open-file limit",
+                    gauge(counts.linger_limit),
                 )?;
                 let links = e.rewrite_links().unwrap_or_default();
                 single(

@@ -31,6 +31,26 @@ pub(crate) fn raise_nofile_limit() -> io::Result<u64> {
     Ok(hard)
 }
 
+/// RLIMIT_NOFILE's soft limit: the descriptors this process may hold.
+pub(crate) fn nofile_limit() -> io::Result<u64> {
+    use nix::sys::resource::{getrlimit, Resource};
+    Ok(getrlimit(Resource::RLIMIT_NOFILE)?.0)
+}
+
+/// The range `connect` picks a socket's local port from
+/// (`net.ipv4.ip_local_port_range`, which IPv6 uses too), first and last included.
+pub(crate) fn ephemeral_ports() -> io::Result<(u16, u16)> {
+    let text = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")?;
+    let mut ports = text.split_whitespace().map(str::parse::<u16>);
+    match (ports.next(), ports.next()) {
+        (Some(Ok(first)), Some(Ok(last))) if first <= last => Ok((first, last)),
+        _ => Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("ip_local_port_range reads {text:?}"),
+        )),
+    }
+}
+
 /// CLOCK_MONOTONIC in milliseconds, truncated to 32 bits (the clock TCP timestamps
 /// count in).
 pub(crate) fn monotonic_ms() -> io::Result<u32> {

@@ -18,7 +18,6 @@ fn key(i: u32) -> RewriteKey {
 /// skipped.
 #[test]
 fn the_sweep_ends_what_lingered_long_enough() {
-    // SAFETY: geteuid has no preconditions.
     assert!(nix::unistd::geteuid().is_root(), "needs root (eBPF)");
     let dp = Ebpf::load(Config {
         rewrite_splice: true,
@@ -58,4 +57,68 @@ fn the_sweep_ends_what_lingered_long_enough() {
     assert!(r.get(&key(6)).is_some() && r.get(&key(7)).is_some());
     assert_eq!(r.live.load(Relaxed), 1);
     assert_eq!(lock(&r.lingering).len(), 1);
+}
+
+/// Past the limit, the sweep ends the oldest lingering connections before their linger
+/// is over, and counts them. Needs root; never skipped.
+#[test]
+fn the_sweep_cuts_the_oldest_lingers_beyond_the_limit() {
+    assert!(nix::unistd::geteuid().is_root(), "needs root (eBPF)");
+    let dp = Ebpf::load(Config {
+        rewrite_splice: true,
+        ..Config::default()
+    })
+    .expect("the eBPF dataplane with the rewrite program loads");
+    let r = dp.rewriter().expect("the rewrite splice is on");
+    let limit = r.counts().linger_limit as usize;
+    let now = Instant::now();
+    // The first one's linger is over; the limit+3 behind it linger 60 s more.
+    for i in 0..limit as u32 + 4 {
+        let entries = Entries {
+            from_client: key(2 * i),
+            from_pod: key(2 * i + 1),
+        };
+        if i < 6 {
+            let value = Rewrite {
+                slot: i,
+                ..Rewrite::default()
+            };
+            let mut map = lock(&r.map);
+            map.insert(entries.from_client, value, 0).unwrap();
+            map.insert(entries.from_pod, value, 0).unwrap();
+        }
+        r.live.fetch_add(1, Relaxed);
+        // Any descriptor stands in for B (the limit is at most a quarter of what this
+        // process may open).
+        let b = std::fs::File::open("/dev/null").unwrap();
+        lock(&r.lingering).push_back(Lingering {
+            due: now + Duration::from_secs(if i == 0 { 0 } else { 60 }),
+            entries,
+            slot: i,
+            upstream: OwnedFd::from(b),
+            filled: false,
+        });
+    }
+    r.sweep(now + Duration::from_millis(1));
+    assert_eq!(lock(&r.lingering).len(), limit);
+    assert_eq!(r.counts().lingers_cut, 3, "three cut, one over");
+    assert_eq!(r.live.load(Relaxed), limit as u64);
+    for i in 0..4 {
+        assert!(r.get(&key(2 * i)).is_none() && r.get(&key(2 * i + 1)).is_none());
+    }
+    assert!(r.get(&key(8)).is_some() && r.get(&key(9)).is_some());
+    // Within the limit nothing more goes.
+    r.sweep(now + Duration::from_millis(2));
+    assert_eq!(lock(&r.lingering).len(), limit);
+    assert_eq!(r.counts().lingers_cut, 3);
+}
+
+#[test]
+fn the_linger_limit_is_a_quarter_of_ports_and_descriptors() {
+    // The kernel's default range, and a limit of open files raised high.
+    assert_eq!(linger_limit((32768, 60999), 1 << 20), 7058);
+    // A service's default of 1,024 open files; a floor under that.
+    assert_eq!(linger_limit((32768, 60999), 4096), 1024);
+    assert_eq!(linger_limit((32768, 60999), 1024), MIN_LINGERING);
+    assert_eq!(linger_limit((40000, 40000), 1 << 20), MIN_LINGERING);
 }
