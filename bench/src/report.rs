@@ -582,6 +582,15 @@ pub fn markdown(run: &Run, machine: &Value) -> String {
                 );
             }
         }
+        for r in run.results.iter().filter(|r| r.lingers_cut > 0.0) {
+            let _ = writeln!(
+                out,
+                "\n{}: {:.0} ended connections lingered less than 3 s, the oldest beyond \
+                 the linger limit (`waypoint_rewrite_lingers_cut_total`).",
+                r.kind.name(),
+                r.lingers_cut
+            );
+        }
     }
 
     let errors: Vec<String> = run
@@ -684,6 +693,7 @@ pub fn json(run: &Run, machine: &Value) -> Value {
                 "paths": r.paths.iter().map(|((path, reason), n)| json!({
                     "path": path, "reason": reason, "connections": n,
                 })).collect::<Vec<_>>(),
+                "lingers_cut": r.lingers_cut,
                 "errors": r.errors,
             })
         }).collect::<Vec<_>>(),

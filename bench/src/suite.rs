@@ -118,6 +118,9 @@ pub struct Results {
     /// The waypoint's connections by the path they took and why
     /// (`waypoint_dataplane_path_total`), summed over its measured turns.
     pub paths: std::collections::BTreeMap<(String, String), f64>,
+    /// Rewritten connections whose linger the daemon cut short
+    /// (`waypoint_rewrite_lingers_cut_total`), summed over its measured turns.
+    pub lingers_cut: f64,
     pub errors: Vec<String>,
 }
 
@@ -185,6 +188,7 @@ pub fn run(s: Settings, servers: &Servers) -> anyhow::Result<Run> {
             churn: vec![Vec::new(); s.churn_openers.len()],
             memory: Vec::new(),
             paths: std::collections::BTreeMap::new(),
+            lingers_cut: 0.0,
             errors: Vec::new(),
         })
         .collect();
@@ -214,6 +218,10 @@ pub fn run(s: Settings, servers: &Servers) -> anyhow::Result<Run> {
                     for (key, n) in r.admin.map(paths).unwrap_or_default() {
                         *out.paths.entry(key).or_default() += n;
                     }
+                    out.lingers_cut += r
+                        .admin
+                        .and_then(|a| crate::scale::metric(a, "waypoint_rewrite_lingers_cut_total"))
+                        .unwrap_or(0.0);
                     r.stop();
                 }
                 Err(e) => {
