@@ -13,44 +13,56 @@ fn key(i: u32) -> RewriteKey {
     }
 }
 
+/// The eBPF dataplane with the rewrite program loaded. Needs root.
+fn loaded() -> Ebpf {
+    assert!(nix::unistd::geteuid().is_root(), "needs root (eBPF)");
+    Ebpf::load(Config {
+        rewrite_splice: true,
+        ..Config::default()
+    })
+    .expect("the eBPF dataplane with the rewrite program loads")
+}
+
+/// Queues ended connection `i` to linger until `due`, with its entries in the map if
+/// `in_map`; any descriptor stands in for its B.
+fn linger(r: &Rewriter, i: u32, due: Instant, in_map: bool, b: OwnedFd) {
+    let entries = Entries {
+        from_client: key(2 * i),
+        from_pod: key(2 * i + 1),
+    };
+    if in_map {
+        let value = Rewrite {
+            slot: i,
+            ..Rewrite::default()
+        };
+        let mut map = lock(&r.map);
+        map.insert(entries.from_client, value, 0).unwrap();
+        map.insert(entries.from_pod, value, 0).unwrap();
+    }
+    r.live.fetch_add(1, Relaxed);
+    lock(&r.lingering).push_back(Lingering {
+        due,
+        entries,
+        slot: i,
+        upstream: b,
+        filled: false,
+    });
+}
+
 /// The sweep ends the lingering connections whose linger is over, in one batch that
 /// an entry already gone does not stop, and leaves the others. Needs root; never
 /// skipped.
 #[test]
 fn the_sweep_ends_what_lingered_long_enough() {
-    assert!(nix::unistd::geteuid().is_root(), "needs root (eBPF)");
-    let dp = Ebpf::load(Config {
-        rewrite_splice: true,
-        ..Config::default()
-    })
-    .expect("the eBPF dataplane with the rewrite program loads");
+    let dp = loaded();
     let r = dp.rewriter().expect("the rewrite splice is on");
     let now = Instant::now();
     // Four ended connections. The program removed the second's entries (a SYN
     // reused its client's 4-tuple); the fourth's linger is not over.
     for i in 0..4u32 {
-        let entries = Entries {
-            from_client: key(2 * i),
-            from_pod: key(2 * i + 1),
-        };
-        if i != 1 {
-            let value = Rewrite {
-                slot: i,
-                ..Rewrite::default()
-            };
-            let mut map = lock(&r.map);
-            map.insert(entries.from_client, value, 0).unwrap();
-            map.insert(entries.from_pod, value, 0).unwrap();
-        }
-        r.live.fetch_add(1, Relaxed);
+        let due = now + Duration::from_secs(if i == 3 { 60 } else { 0 });
         let b = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        lock(&r.lingering).push_back(Lingering {
-            due: now + Duration::from_secs(if i == 3 { 60 } else { 0 }),
-            entries,
-            slot: i,
-            upstream: OwnedFd::from(b),
-            filled: false,
-        });
+        linger(r, i, due, i != 1, b.into());
     }
     r.sweep(now + Duration::from_millis(1));
     assert_eq!(r.entries(), 2, "only the fourth connection's entries stay");
@@ -63,41 +75,16 @@ fn the_sweep_ends_what_lingered_long_enough() {
 /// is over, and counts them. Needs root; never skipped.
 #[test]
 fn the_sweep_cuts_the_oldest_lingers_beyond_the_limit() {
-    assert!(nix::unistd::geteuid().is_root(), "needs root (eBPF)");
-    let dp = Ebpf::load(Config {
-        rewrite_splice: true,
-        ..Config::default()
-    })
-    .expect("the eBPF dataplane with the rewrite program loads");
+    let dp = loaded();
     let r = dp.rewriter().expect("the rewrite splice is on");
     let limit = r.counts().linger_limit as usize;
     let now = Instant::now();
     // The first one's linger is over; the limit+3 behind it linger 60 s more.
     for i in 0..limit as u32 + 4 {
-        let entries = Entries {
-            from_client: key(2 * i),
-            from_pod: key(2 * i + 1),
-        };
-        if i < 6 {
-            let value = Rewrite {
-                slot: i,
-                ..Rewrite::default()
-            };
-            let mut map = lock(&r.map);
-            map.insert(entries.from_client, value, 0).unwrap();
-            map.insert(entries.from_pod, value, 0).unwrap();
-        }
-        r.live.fetch_add(1, Relaxed);
-        // Any descriptor stands in for B (the limit is at most a quarter of what this
-        // process may open).
+        let due = now + Duration::from_secs(if i == 0 { 0 } else { 60 });
+        // The limit is at most a quarter of what this process may open.
         let b = std::fs::File::open("/dev/null").unwrap();
-        lock(&r.lingering).push_back(Lingering {
-            due: now + Duration::from_secs(if i == 0 { 0 } else { 60 }),
-            entries,
-            slot: i,
-            upstream: OwnedFd::from(b),
-            filled: false,
-        });
+        linger(r, i, due, i < 6, b.into());
     }
     r.sweep(now + Duration::from_millis(1));
     assert_eq!(lock(&r.lingering).len(), limit);
