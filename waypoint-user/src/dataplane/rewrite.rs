@@ -61,36 +61,6 @@ use super::established::Records;
 use super::signals::Signals;
 use super::{End, Socket, TCP_CLOSE_WAIT, TCP_ESTABLISHED};
 
-/// How long the entries of an ended connection stay: the last ACK, or a retransmitted
-/// FIN, must still be rewritten (an RTO is 200 ms at least, doubling).
-pub const LINGER: Duration = Duration::from_secs(3);
-
-/// How often the lingering connections whose linger is over are ended.
-pub const SWEEP_INTERVAL: Duration = Duration::from_millis(100);
-
-/// The fewest connections allowed to linger at once, whatever the node's ports and
-/// descriptors (see [`linger_limit`]).
-const MIN_LINGERING: usize = 256;
-
-/// How many ended connections may linger at once before the oldest lose the rest of
-/// their [`LINGER`]: a quarter of the ephemeral port range, and of the open-file limit.
-///
-/// Each lingering connection holds its B, and with it a local port to the pod. The
-/// kernel's `connect` picks ports of one parity first (half the range), each dial to a
-/// destination from where the last one ended: while fewer than that half are held, the
-/// port it tries first is free, and it checks one 4-tuple. Past it, every dial walks the
-/// held ports (under 16 openers, 3 s of linger held about 17,600 of the 28,232 and cost
-/// 209.8 µs of CPU per connection, most of it in that walk). A quarter leaves room for
-/// the node's other connections. The descriptors: a connection holds two while open,
-/// one while it lingers. A linger cut short costs nothing unless the connection's last
-/// ACK is lost: the end that resends its FIN is answered with a reset rather than an
-/// ACK, after both ends have closed.
-fn linger_limit(ports: (u16, u16), open_files: u64) -> usize {
-    let ports = (usize::from(ports.1) - usize::from(ports.0) + 1) / 4;
-    let files = usize::try_from(open_files / 4).unwrap_or(usize::MAX);
-    ports.min(files).max(MIN_LINGERING)
-}
-
 /// Least time from the start of one forced grace period to the start of the next.
 const GRACE_INTERVAL: Duration = Duration::from_millis(100);
 
@@ -331,50 +301,12 @@ impl Rewriter {
             recorded: AtomicU64::new(0),
             pod_port,
             lingering: Mutex::new(VecDeque::new()),
-            linger_limit: Self::linger_limit(),
+            linger_limit: node_linger_limit(),
             lingers_cut: AtomicU64::new(0),
             ports: Ports::new(ports),
             sweeper: Mutex::new(None),
             stopping: AtomicBool::new(false),
         }
-    }
-
-    /// This node's [`linger_limit`]; the kernel's defaults where a figure cannot be read.
-    fn linger_limit() -> usize {
-        let ports = crate::sys::ephemeral_ports().unwrap_or_else(|e| {
-            warn!(error = %e, "reading the ephemeral port range; taking 32768-60999");
-            (32768, 60999)
-        });
-        let files = crate::sys::nofile_limit().unwrap_or_else(|e| {
-            warn!(error = %e, "reading the open file limit; taking 1024");
-            1024
-        });
-        let limit = linger_limit(ports, files);
-        debug!(
-            limit,
-            ?ports,
-            files,
-            "rewrite: connections that may linger at once"
-        );
-        limit
-    }
-
-    /// Starts the thread that ends the lingering connections ([`Rewriter::sweep`]); it
-    /// exits at [`Rewriter::stop`], or once the rewriter is gone.
-    pub fn start_sweeping(self: &Arc<Self>) -> io::Result<()> {
-        let weak = Arc::downgrade(self);
-        let thread = Background::spawn("waypoint-linger", move || loop {
-            std::thread::park_timeout(SWEEP_INTERVAL);
-            let Some(rewriter) = weak.upgrade() else {
-                return;
-            };
-            if rewriter.stopping.load(Relaxed) {
-                return;
-            }
-            rewriter.sweep(Instant::now());
-        })?;
-        *lock(&self.sweeper) = Some(thread);
-        Ok(())
     }
 
     /// Stops and joins the rewriter's threads (linger and grace). Connections still
@@ -387,42 +319,6 @@ impl Rewriter {
             t.join(JOIN_WITHIN);
         }
         self.grace.stop();
-    }
-
-    /// Removes the entries of every connection whose linger is over, and of the oldest
-    /// beyond the [`linger_limit`], all in one map call, and closes their B (silently).
-    /// One thread's turn every [`SWEEP_INTERVAL`] for all of them, rather than a timer
-    /// and a turn of its worker for each; and the connection's task is gone at its end,
-    /// not 3 s later. (Measured here: 9.3 µs of CPU per connection on this thread, 10.2
-    /// µs on the workers before; most of it closing B.)
-    fn sweep(&self, now: Instant) {
-        let due: Vec<Lingering> = {
-            let mut queue = lock(&self.lingering);
-            // In order of `due` (see `Conn::ended`).
-            let over = queue.iter().take_while(|l| l.due <= now).count();
-            let cut = (queue.len() - over).saturating_sub(self.linger_limit);
-            if cut > 0 {
-                self.lingers_cut.fetch_add(cut as u64, Relaxed);
-            }
-            queue.drain(..over + cut).collect()
-        };
-        if due.is_empty() {
-            return;
-        }
-        let mut keys = Vec::with_capacity(2 * due.len());
-        for l in &due {
-            if self.client_ours(&l.entries, l.slot) {
-                keys.push(l.entries.from_client);
-            }
-            keys.push(l.entries.from_pod);
-        }
-        self.delete(&keys);
-        for l in due.iter().filter(|l| l.filled) {
-            self.forget_fill(&l.entries);
-        }
-        self.live.fetch_sub(due.len() as u64, Relaxed);
-        // Each B closes silently as it drops.
-        drop(due);
     }
 
     /// Marks a socket about to connect to `port` (see [`Rewriter::mark`]), unless the
@@ -928,12 +824,14 @@ impl Drop for Undo<'_> {
 
 mod fill;
 mod grace;
+mod linger;
 mod rewritten;
 mod tcp;
 
 use fill::*;
 use grace::*;
-use rewritten::*;
+pub use linger::LINGER;
+use linger::*;
 pub(super) use rewritten::{HandedOver, Rewritten};
 use tcp::*;
 #[cfg(test)]

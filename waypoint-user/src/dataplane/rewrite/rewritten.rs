@@ -281,20 +281,3 @@ impl Drop for Conn {
         }
     }
 }
-
-/// An ended connection whose entries linger ([`LINGER`]) until [`Rewriter::sweep`]
-/// removes them; B closes silently when it drops (also when the rewriter goes first).
-pub(super) struct Lingering {
-    pub(super) due: Instant,
-    pub(super) entries: Entries,
-    pub(super) slot: u32,
-    pub(super) upstream: OwnedFd,
-    /// See [`HandedOver::filled`].
-    pub(super) filled: bool,
-}
-
-impl Drop for Lingering {
-    fn drop(&mut self) {
-        let _ = set_repair(self.upstream.as_raw_fd(), 1);
-    }
-}
