@@ -40,7 +40,13 @@ pub(crate) fn nofile_limit() -> io::Result<u64> {
 /// The range `connect` picks a socket's local port from
 /// (`net.ipv4.ip_local_port_range`, which IPv6 uses too), first and last included.
 pub(crate) fn ephemeral_ports() -> io::Result<(u16, u16)> {
-    let text = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")?;
+    port_range(&std::fs::read_to_string(
+        "/proc/sys/net/ipv4/ip_local_port_range",
+    )?)
+}
+
+/// `ip_local_port_range`'s text: two ports, the first not above the second.
+fn port_range(text: &str) -> io::Result<(u16, u16)> {
     let mut ports = text.split_whitespace().map(str::parse::<u16>);
     match (ports.next(), ports.next()) {
         (Some(Ok(first)), Some(Ok(last))) if first <= last => Ok((first, last)),
@@ -75,4 +81,22 @@ pub(crate) fn membarrier_global() -> io::Result<()> {
         return Err(io::Error::last_os_error());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
+    use super::*;
+
+    #[test]
+    fn the_port_range_is_read_or_refused_clearly() {
+        assert_eq!(port_range("32768\t60999\n").ok(), Some((32768, 60999)));
+        for bad in ["", "32768", "60999 32768", "1 70000", "a b"] {
+            let e = port_range(bad).expect_err(bad);
+            assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{bad:?}");
+            assert!(e.to_string().contains("ip_local_port_range reads"), "{e}");
+        }
+        // This machine's own range reads.
+        assert!(ephemeral_ports().is_ok());
+    }
 }
