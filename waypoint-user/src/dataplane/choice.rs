@@ -2,9 +2,12 @@
 //!
 //! `--dataplane ebpf|splice|copy` names one: it runs, or the start fails with the
 //! kernel's own refusal. `auto` probes the kernel by loading the programs and takes the
-//! first rung that works: the eBPF dataplane as configured (with the rewrite splice when
-//! `--rewrite-splice` asks for it), the eBPF dataplane without the rewrite splice, then
-//! splice. What a kernel can load is probed, never read from its version; what it runs
+//! first rung that works: the eBPF dataplane as configured (with the rewrite splice
+//! unless `--rewrite-splice=false`; the daemon's [`crate::config::Config::rewrite_splice`]),
+//! the eBPF dataplane without the rewrite splice (the kernel refused its program, or the
+//! process may not open the raw socket it resets ends from), then splice. Each
+//! connection then takes the fastest path it qualifies for (see
+//! `waypoint_dataplane_path_total`). What a kernel can load is probed, never read from its version; what it runs
 //! correctly cannot be probed, so one rule goes by the version: on a kernel without the
 //! 2023 sockmap series ([`sockmap_fixed`]) `auto` runs splice, and a named `ebpf` runs
 //! with a warning. The rung and the refusal that put the daemon on it are logged once,
@@ -29,8 +32,8 @@ pub enum Reason {
     Asked,
     /// `auto`: the kernel took everything the configuration asks for.
     Probed,
-    /// `auto`: the kernel refused the rewrite program (or its attachment); the eBPF
-    /// dataplane runs without the rewrite splice.
+    /// `auto`: the kernel refused the rewrite program (or its attachment), or the process
+    /// lacks CAP_NET_RAW; the eBPF dataplane runs without the rewrite splice.
     RewriteRefused,
     /// `auto`: the kernel refused the eBPF dataplane; splice runs.
     EbpfRefused,
@@ -248,6 +251,46 @@ mod tests {
             "kernel 5.10.262 lacks the 2023 sockmap fixes (6.4, 6.1.32) that the SockHash \
              redirect needs"
         );
+    }
+
+    /// Without CAP_NET_RAW the rewrite could not reset its connections' ends (at an idle
+    /// timeout, a lifetime, a drain): `auto` leaves it out and says so. Capabilities are
+    /// a thread's own, so the test drops it from one thread, which then loads.
+    #[test]
+    fn auto_runs_the_sockhash_redirect_without_cap_net_raw() {
+        assert!(root(), "the eBPF dataplane needs root");
+        let config = ebpf::Config {
+            rewrite_splice: true,
+            ..ebpf::Config::default()
+        };
+        let load = |kind| {
+            std::thread::spawn(move || {
+                caps::drop(None, caps::CapSet::Effective, caps::Capability::CAP_NET_RAW).unwrap();
+                choose(kind, config, 1 << 16).map(|(dp, chosen)| (dp.kind(), chosen))
+            })
+            .join()
+            .unwrap()
+        };
+        let (kind, chosen) = load(Kind::Auto).unwrap();
+        assert_eq!(kind, Kind::Ebpf, "{chosen}");
+        assert_eq!(
+            (chosen.path, chosen.reason),
+            ("ebpf", Reason::RewriteRefused)
+        );
+        let line = chosen.to_string();
+        assert!(
+            line.starts_with(
+                "dataplane ebpf (rewrite_refused): the rewrite splice resets ends from a raw \
+                 socket, which needs CAP_NET_RAW: "
+            ),
+            "{line}"
+        );
+        // Asked for by name, it fails the start.
+        let err = match load(Kind::Ebpf) {
+            Err(e) => e,
+            Ok((_, chosen)) => panic!("started without CAP_NET_RAW: {chosen}"),
+        };
+        assert!(err.to_string().contains("CAP_NET_RAW"), "{err}");
     }
 
     #[test]

@@ -201,6 +201,11 @@ pub enum Error {
     /// The rewrite program could not be kept on the interfaces.
     #[error(transparent)]
     Links(#[from] links::Error),
+    /// No raw socket could be opened: the rewrite resets a rewritten connection's ends
+    /// from one, so without it (no CAP_NET_RAW) an idle timeout, a lifetime or a drain
+    /// could not end them.
+    #[error("the rewrite splice resets ends from a raw socket, which needs CAP_NET_RAW: {0}")]
+    RawSocket(#[source] io::Error),
     /// The thread that reads the verdict's signals could not be started.
     #[error(transparent)]
     Signals(#[from] signals::Error),
@@ -533,6 +538,7 @@ impl Ebpf {
                     },
                 )));
             }
+            rewrite::can_send_resets().map_err(Error::RawSocket)?;
             prog.load().map_err(Error::Rewrite)?;
             let records = match Records::attach(&mut loaded) {
                 Ok(r) => Some(r),

@@ -833,6 +833,7 @@ use grace::*;
 pub use linger::LINGER;
 use linger::*;
 pub(super) use rewritten::{HandedOver, Rewritten};
+pub(super) use tcp::can_send_resets;
 use tcp::*;
 #[cfg(test)]
 pub(super) use tcp::{snapshot, ts_clock, Seqs};

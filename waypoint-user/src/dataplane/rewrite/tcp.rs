@@ -146,6 +146,18 @@ pub(super) fn selected_seq(fd: RawFd) -> io::Result<u32> {
     getsockopt_u32(fd, TCP_QUEUE_SEQ)
 }
 
+/// Whether this process may open the raw socket [`send_rst`] sends from (CAP_NET_RAW):
+/// checked once at load, because a rewritten connection that could not be reset could
+/// not be ended at its idle timeout, lifetime or drain.
+pub(in crate::dataplane) fn can_send_resets() -> io::Result<()> {
+    socket2::Socket::new(
+        socket2::Domain::IPV4,
+        socket2::Type::RAW,
+        Some(socket2::Protocol::TCP),
+    )
+    .map(drop)
+}
+
 /// Sends a reset from `from` to `to` with sequence number `seq`, through a raw socket:
 /// a rewritten connection's ends no longer talk to the waypoint's sockets, whose own
 /// resets would carry sequence numbers the ends left behind (and be ignored).
