@@ -351,10 +351,12 @@ pub struct Config {
 
     /// Which dataplane moves the bytes of routed connections: `ebpf` (in-kernel
     /// SockHash redirect; needs CAP_BPF and CAP_NET_ADMIN, and CAP_PERFMON for its check
-    /// of repeated bytes), `splice` (splice(2) through
-    /// pipes), `copy` (userspace copy), or `auto`. A dataplane named runs or fails the
-    /// start; `auto` probes the kernel by loading the programs: ebpf as configured, else
-    /// ebpf without --rewrite-splice, else splice; and runs splice on a kernel without
+    /// of repeated bytes), `splice` (splice(2) through pipes), `copy` (userspace copy),
+    /// or `auto`: the fastest path the kernel carries, per connection the rewrite splice
+    /// where it qualifies, else the SockHash redirect. A dataplane named runs or fails the
+    /// start; `auto` probes the kernel by loading the programs: ebpf with the rewrite
+    /// splice (unless --rewrite-splice=false), else ebpf without it (the kernel refused
+    /// the program, or no CAP_NET_RAW), else splice; and runs splice on a kernel without
     /// the 2023 sockmap fixes (before 6.4, and 6.1 before 6.1.32), where a named ebpf runs
     /// with a warning. The choice and the refusal behind it are logged, shown in /readyz
     /// and exported as waypoint_dataplane{dataplane,reason}.
@@ -397,16 +399,25 @@ pub struct Config {
     #[arg(long, alias = "splice-after", env = "WAYPOINT_MOVE_AFTER", value_parser = parse_bytes, default_value = "16KiB")]
     pub move_after: u64,
 
-    /// eBPF dataplane (experimental): splice each connection by rewriting its packets'
-    /// headers in a TC program on every interface of the node (also those added later),
-    /// so that client and pod hold one TCP conversation and the waypoint's sockets carry
-    /// no byte. Connections whose two sides negotiated different TCP options or MSS, or
-    /// with one end on this node and the other elsewhere, take the SockHash. Needs
+    /// eBPF dataplane: splice each connection by rewriting its packets' headers in a TC
+    /// program on every interface of the node (also those added later), so that client
+    /// and pod hold one TCP conversation and the waypoint's sockets carry no byte.
+    /// Connections whose two sides negotiated different TCP options or MSS, with one end
+    /// on this node and the other elsewhere, or over IPv6, take the SockHash. Needs
     /// CAP_NET_ADMIN (TCP_REPAIR, TC) and CAP_NET_RAW (resets), and Linux 5.12+ (the
-    /// program's atomics; below it `auto` runs ebpf without the rewrite splice, and
-    /// --dataplane ebpf fails the start); IPv4.
-    #[arg(long, env = "WAYPOINT_REWRITE_SPLICE")]
-    pub rewrite_splice: bool,
+    /// program's atomics). Unset: on with --dataplane auto (which falls back to ebpf
+    /// without it where the kernel or the capabilities refuse it), off with --dataplane
+    /// ebpf. `--rewrite-splice` alone is `true`; `=true` with --dataplane ebpf fails the
+    /// start where it cannot load; `=false` turns it off for auto too.
+    #[arg(
+        long,
+        env = "WAYPOINT_REWRITE_SPLICE",
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "true",
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
+    pub rewrite_splice: Option<bool>,
 
     /// Splice dataplane: pipe capacity per direction of a connection.
     #[arg(long, env = "WAYPOINT_PIPE_SIZE", value_parser = parse_bytes, default_value = "1MiB")]
@@ -464,8 +475,9 @@ impl Config {
     ///   also SO_SNDBUFFORCE for `--bulk-send-buffer` and `--socket-buffer`) and
     ///   `PERFMON` (the verdict's `bpf_probe_read_kernel` for the repeat check; without
     ///   it the daemon warns and runs without the check).
-    /// - `--rewrite-splice` adds `NET_RAW`: it resets a rewritten connection's ends from a
-    ///   raw socket (its TCP_REPAIR and TC programs are `NET_ADMIN`'s).
+    /// - The rewrite splice (`auto`'s default, or `--rewrite-splice`) adds `NET_RAW`: it
+    ///   resets a rewritten connection's ends from a raw socket (its TCP_REPAIR and TC
+    ///   programs are `NET_ADMIN`'s).
     /// - `splice` and `copy` need none.
     pub fn capabilities(&self) -> std::collections::BTreeSet<&'static str> {
         let mut caps = std::collections::BTreeSet::new();
@@ -474,11 +486,18 @@ impl Config {
             dataplane::Kind::Ebpf | dataplane::Kind::Auto
         ) {
             caps.extend(["BPF", "NET_ADMIN", "PERFMON"]);
-            if self.rewrite_splice {
+            if self.rewrite_splice() {
                 caps.insert("NET_RAW");
             }
         }
         caps
+    }
+
+    /// Whether the eBPF dataplane loads the rewrite splice: as `--rewrite-splice` says,
+    /// else only under `--dataplane auto`.
+    pub fn rewrite_splice(&self) -> bool {
+        self.rewrite_splice
+            .unwrap_or(self.dataplane == dataplane::Kind::Auto)
     }
 
     /// Per-connection limits derived from the config.
@@ -547,7 +566,7 @@ impl Config {
             bulk_send_buffer: usize::try_from(self.bulk_send_buffer).unwrap_or(usize::MAX),
             max_sockets: self.max_sockets,
             move_after: self.move_after,
-            rewrite_splice: self.rewrite_splice,
+            rewrite_splice: self.rewrite_splice(),
             pod_port: Some(self.pod_port),
             ..dataplane::ebpf::Config::default()
         }
@@ -663,6 +682,47 @@ mod tests {
         let parse = |flag: &str| Args::try_parse_from(["waypoint", flag, "1MiB"]).unwrap();
         assert_eq!(parse("--move-after").config.move_after, 1 << 20);
         assert_eq!(parse("--splice-after").config.move_after, 1 << 20);
+    }
+
+    /// The rewrite splice is `auto`'s unless turned off, and a named `ebpf`'s only when
+    /// asked for; its capability follows.
+    #[test]
+    fn the_rewrite_splice_is_autos_default() {
+        use clap::Parser as _;
+        #[derive(clap::Parser)]
+        struct Args {
+            #[command(flatten)]
+            config: Config,
+        }
+        let parse = |args: &[&str]| {
+            let config =
+                Args::try_parse_from(std::iter::once("waypoint").chain(args.iter().copied()))
+                    .unwrap()
+                    .config;
+            (
+                config.rewrite_splice(),
+                config.capabilities().contains("NET_RAW"),
+            )
+        };
+        assert_eq!(parse(&[]), (true, true));
+        assert_eq!(parse(&["--rewrite-splice=false"]), (false, false));
+        assert_eq!(parse(&["--dataplane", "ebpf"]), (false, false));
+        assert_eq!(
+            parse(&["--dataplane", "ebpf", "--rewrite-splice"]),
+            (true, true)
+        );
+        assert_eq!(
+            parse(&["--rewrite-splice", "--dataplane", "ebpf"]),
+            (true, true)
+        );
+        assert_eq!(
+            parse(&["--dataplane", "ebpf", "--rewrite-splice=true"]),
+            (true, true)
+        );
+        // splice and copy load no program: nothing to rewrite with, no capability.
+        assert!(!parse(&["--dataplane", "splice"]).1);
+        let bad = Args::try_parse_from(["waypoint", "--rewrite-splice=maybe"]);
+        assert!(bad.is_err());
     }
 
     #[test]

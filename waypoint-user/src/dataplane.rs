@@ -61,7 +61,8 @@ pub enum Kind {
     Splice,
     /// Userspace read/write copy: portable, slowest.
     Copy,
-    /// The first the kernel takes: eBPF as configured, eBPF without the rewrite splice, splice.
+    /// The fastest the kernel takes: eBPF with the rewrite splice (each connection rewritten
+    /// where it qualifies, else redirected), eBPF without it, splice.
     Auto,
 }
 

@@ -1,6 +1,8 @@
 //! Close semantics through every dataplane: half-closes in both orders, a full close,
 //! resets from either side, a bare FIN right after the initial bytes, and the idle and
-//! lifetime limits. Each scenario runs once per dataplane (`<scenario>::{ebpf,splice,copy}`).
+//! lifetime limits. Each scenario runs once per dataplane (`<scenario>::{ebpf,splice,copy}`)
+//! and once through what `--dataplane auto` runs on this kernel (`<scenario>::auto`: the
+//! rewrite splice where the kernel carries it, else splice).
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "tests")]
 
 mod common;
@@ -45,6 +47,11 @@ macro_rules! for_each_dataplane {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn copy() {
                 super::$scenario(Kind::Copy).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn auto() {
+                super::$scenario(Kind::Auto).await;
             }
         }
     )*};
@@ -235,6 +242,25 @@ async fn wait_ready(s: &mut TcpStream) {
         .expect("ready byte arrives")
         .unwrap();
     assert_eq!(b, READY, "ready byte");
+}
+
+/// How the waypoint ends a connection at its idle timeout or lifetime, seen by `what`:
+/// with a FIN where the waypoint's sockets carry the bytes; with a reset where the
+/// connection is rewritten (client and pod hold one TCP conversation, whose sequence
+/// numbers only the two ends know, so a FIN from the waypoint cannot be placed in it).
+async fn expect_ended(s: &mut TcpStream, kind: Kind, what: &str) {
+    if kind == Kind::Auto && common::rewrites(&common::auto()) {
+        let mut b = [0u8; 1];
+        let r = timeout(BOUND, s.read(&mut b))
+            .await
+            .unwrap_or_else(|_| panic!("{what}: no reset within {BOUND:?}"));
+        assert!(
+            matches!(&r, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset),
+            "{what}: a rewritten connection is ended with a reset, got {r:?}"
+        );
+    } else {
+        expect_eof(s, what).await;
+    }
 }
 
 /// Reads exactly until EOF and expects nothing: the peer closed without sending.
@@ -577,7 +603,8 @@ const SHORT_IDLE: Limits = Limits {
     stall_after: Some(waypoint::dataplane::DEFAULT_STALL_AFTER),
 };
 
-/// (g) A connection that goes silent is closed by the proxy: both ends see EOF.
+/// (g) A connection that goes silent is closed by the proxy: both ends see EOF (a reset
+/// where it is rewritten, see [`expect_ended`]).
 async fn idle_timeout_closes_silent_connection(kind: Kind) {
     let (server, mut proxy) = setup(kind, HELLO, SHORT_IDLE).await;
     let mut c = connect_with_hello(&proxy).await;
@@ -598,8 +625,8 @@ async fn idle_timeout_closes_silent_connection(kind: Kind) {
         },
         "{kind:?}"
     );
-    expect_eof(&mut c, "client").await;
-    expect_eof(&mut s, "server").await;
+    expect_ended(&mut c, kind, "client").await;
+    expect_ended(&mut s, kind, "server").await;
 }
 
 /// (g) The idle timeout of a connection with bytes still on the way: the server reads
@@ -727,8 +754,8 @@ async fn lifetime_closes_silent_connection(kind: Kind) {
         },
         "{kind:?}"
     );
-    expect_eof(&mut c, "client").await;
-    expect_eof(&mut s, "server").await;
+    expect_ended(&mut c, kind, "client").await;
+    expect_ended(&mut s, kind, "server").await;
 }
 
 /// `max_lifetime` closes a connection that keeps moving bytes (so it is never idle).

@@ -196,12 +196,18 @@ fn daemonset_runs_privileged_enough_and_no_more() {
         BTreeSet::from([
             "BPF".to_owned(),
             "NET_ADMIN".to_owned(),
+            "NET_RAW".to_owned(),
             "PERFMON".to_owned()
         ])
     );
-    // --rewrite-splice (not enabled in the shipped manifests) needs NET_RAW on top: an
-    // operator who turns it on must add it.
+    // The rewrite splice (auto's default) is what needs NET_RAW: an operator who turns
+    // it off can drop it, and a named ebpf does not ask for it unless told to.
     let mut vars = environment(&c, &cm);
+    vars.insert("WAYPOINT_REWRITE_SPLICE".into(), "false".into());
+    assert!(!config_from_env(&vars).capabilities().contains("NET_RAW"));
+    vars.insert("WAYPOINT_DATAPLANE".into(), "ebpf".into());
+    vars.remove("WAYPOINT_REWRITE_SPLICE");
+    assert!(!config_from_env(&vars).capabilities().contains("NET_RAW"));
     vars.insert("WAYPOINT_REWRITE_SPLICE".into(), "true".into());
     assert!(config_from_env(&vars).capabilities().contains("NET_RAW"));
     // No host ports: the surge pod of a rolling update must be schedulable.

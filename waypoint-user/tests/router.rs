@@ -242,24 +242,50 @@ async fn routes_to_a_local_pod_with_copy() {
 }
 
 /// `auto` probes the kernel and says what it runs and why, in the metric and in
-/// /readyz: the SockHash redirect where the kernel has the 2023 sockmap fixes, splice
-/// below (the kernel matrix runs this on 5.10).
+/// /readyz: the rewrite splice (with the SockHash redirect for connections it refuses)
+/// where the kernel has the 2023 sockmap fixes, splice below (the kernel matrix runs this
+/// on 5.10, 6.1 and 6.12).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn auto_says_what_it_runs_and_why() {
+    let _pod = echo_pod("127.1.0.4", 15008).await;
     let file = reviews_at("127.1.0.4");
     let app = start(&file, &["--dataplane", "auto"]).await;
     let admin = app.admin_addr;
     let m = common::daemon::metrics(admin).await;
     let (code, body) = common::daemon::get(admin, "/readyz").await;
     let kernel = aya::util::KernelVersion::current().unwrap();
-    if waypoint::dataplane::choice::sockmap_fixed(kernel) {
+    let fixed = waypoint::dataplane::choice::sockmap_fixed(kernel);
+    // A routed connection takes the path the kernel carries, and is counted on it. It
+    // speaks as TLS does, waiting for the answer to its hello before it sends on (a
+    // client whose bytes are already behind its hello when the hand-over looks is
+    // refused to the SockHash, `busy`).
+    let c = routed(
+        app.tunnel_addr,
+        &hello_for("8080.reviews.bookinfo.mesh.local"),
+    )
+    .await;
+    expect_echo(c, b"ping", b"ping").await;
+    let path = if fixed {
+        "waypoint_dataplane_path_total{path=\"rewrite\",reason=\"qualified\"}"
+    } else {
+        "waypoint_dataplane_path_total{path=\"splice\",reason=\"dataplane\"}"
+    };
+    let counted = async {
+        while sample(admin, path).await < 1.0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    if tokio::time::timeout(WAIT, counted).await.is_err() {
+        panic!("{path}: {}", common::daemon::metrics(admin).await);
+    }
+    if fixed {
         assert!(
-            m.contains("waypoint_dataplane{dataplane=\"ebpf\",reason=\"probed\"} 1"),
+            m.contains("waypoint_dataplane{dataplane=\"ebpf-rewrite\",reason=\"probed\"} 1"),
             "{m}"
         );
         assert_eq!(
             (code, body.as_str()),
-            (200, "ready\ndataplane ebpf (probed)\n")
+            (200, "ready\ndataplane ebpf-rewrite (probed)\n")
         );
     } else {
         assert!(
@@ -739,10 +765,21 @@ async fn a_failed_local_pod_falls_back_to_the_cluster() {
 /// SIGTERM semantics: not ready and not accepting at once; established connections keep
 /// working until the drain deadline, then are closed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn drain_on_shutdown() {
-    let _pod = echo_pod("127.1.4.1", 15008).await;
-    let file = reviews_at("127.1.4.1");
-    let app = start(&file, &["--dataplane", "ebpf", "--drain-timeout", "2s"]).await;
+async fn drain_on_shutdown_with_ebpf() {
+    drain_on_shutdown("ebpf", "127.1.4.1").await;
+}
+
+/// The same with the default, `auto`: the connection is rewritten where the kernel
+/// carries the rewrite splice, and ended with a reset at the deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_on_shutdown_with_auto() {
+    drain_on_shutdown("auto", "127.1.4.2").await;
+}
+
+async fn drain_on_shutdown(dataplane: &str, pod_ip: &str) {
+    let _pod = echo_pod(pod_ip, 15008).await;
+    let file = reviews_at(pod_ip);
+    let app = start(&file, &["--dataplane", dataplane, "--drain-timeout", "2s"]).await;
     let (tunnel, admin) = (app.tunnel_addr, app.admin_addr);
     let ready = app.ready.clone();
     let hello = hello_for("8080.reviews.bookinfo.mesh.local");

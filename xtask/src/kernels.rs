@@ -102,9 +102,9 @@ fn test_args(test: &str, k: &Kernel) -> &'static [&'static str] {
 /// The soak's dataplanes on a kernel.
 fn soak_dataplanes(k: &Kernel) -> &'static str {
     if k.ebpf {
-        "ebpf,ebpf-rewrite,splice,copy"
+        "auto,ebpf,ebpf-rewrite,splice,copy"
     } else {
-        "splice,copy"
+        "auto,splice,copy"
     }
 }
 

@@ -62,8 +62,8 @@ enum Task {
         /// Leave everything running to explore (`waypoint-e2e cleanup` removes it).
         #[arg(long)]
         keep: bool,
-        /// The waypoints' dataplane: ebpf, splice, copy or auto.
-        #[arg(long, default_value = "ebpf")]
+        /// The waypoints' dataplane: auto (the daemon's default), ebpf, splice or copy.
+        #[arg(long, default_value = "auto")]
         dataplane: String,
     },
     /// Kubernetes end to end (needs Docker, kind and kubectl; not part of `test`): two kind
@@ -122,7 +122,8 @@ enum Bench {
         /// Concurrent connections.
         #[arg(long, default_value_t = 100_000)]
         connections: usize,
-        /// Dataplane: ebpf, ebpf-rewrite (ebpf with --rewrite-splice), splice or copy.
+        /// Dataplane: auto (the default), ebpf, ebpf-rewrite (ebpf with --rewrite-splice),
+        /// splice or copy.
         #[arg(long, default_value = "ebpf")]
         dataplane: String,
         /// Give up opening connections after this many seconds.
@@ -435,7 +436,7 @@ fn test(root: &Path, no_lint: bool, no_kernels: bool) -> anyhow::Result<()> {
 /// guards against (a repeat passed to userspace) showed 24 to 38 times in 20 s.
 const SOAK_SECONDS: &str = "60";
 
-/// The soak's dataplanes in `cargo xtask test`: all four, each with TLS and raw clients
-/// mixed (a raw client streams right behind its hello, the rewrite hand-over's hardest
-/// case).
-const SOAK_DATAPLANES: &str = "ebpf,ebpf-rewrite,splice,copy";
+/// The soak's dataplanes in `cargo xtask test`: the default (`auto`, no dataplane flag)
+/// and all four named, each with TLS and raw clients mixed (a raw client streams right
+/// behind its hello, the rewrite hand-over's hardest case).
+const SOAK_DATAPLANES: &str = "auto,ebpf,ebpf-rewrite,splice,copy";

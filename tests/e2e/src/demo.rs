@@ -19,8 +19,8 @@ pub struct DemoArgs {
     /// Leave everything running, to explore with `waypoint resolve` and the metrics.
     #[arg(long)]
     pub keep: bool,
-    /// The waypoints' dataplane.
-    #[arg(long, default_value = "ebpf", value_parser = ["ebpf", "splice", "copy", "auto"])]
+    /// The waypoints' dataplane (`auto`: the daemon's default).
+    #[arg(long, default_value = "auto", value_parser = ["ebpf", "splice", "copy", "auto"])]
     pub dataplane: String,
     /// The `waypoint` binary (default: next to this one).
     #[arg(long)]

@@ -38,12 +38,36 @@ pub fn ebpf() -> Arc<Dataplane> {
     .clone()
 }
 
+/// What the daemon's `--dataplane auto` runs on this kernel, with the daemon's defaults,
+/// loaded once per test binary: the eBPF dataplane with the rewrite splice where the
+/// kernel carries it (connections it refuses take the SockHash redirect), else splice.
+pub fn auto() -> Arc<Dataplane> {
+    static DP: OnceLock<Arc<Dataplane>> = OnceLock::new();
+    DP.get_or_init(|| {
+        require_root();
+        let config = ebpf::Config {
+            rewrite_splice: true,
+            ..ebpf::Config::default()
+        };
+        let (dp, chosen) = waypoint::dataplane::choice::choose(Kind::Auto, config, 1 << 20)
+            .expect("auto always finds a dataplane");
+        eprintln!("auto: {chosen}");
+        Arc::new(dp)
+    })
+    .clone()
+}
+
+/// Whether `dp` rewrites the connections that qualify (the rewrite splice is loaded).
+pub fn rewrites(dp: &Dataplane) -> bool {
+    matches!(dp, Dataplane::Ebpf(e) if e.config().rewrite_splice)
+}
+
 pub fn dataplane(kind: Kind) -> Arc<Dataplane> {
     match kind {
         Kind::Ebpf => ebpf(),
         Kind::Splice => Arc::new(Dataplane::Splice(Splice::default())),
         Kind::Copy => Arc::new(Dataplane::Copy(UserspaceCopy::new())),
-        Kind::Auto => unreachable!("tests name a concrete dataplane"),
+        Kind::Auto => auto(),
     }
 }
 
