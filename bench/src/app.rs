@@ -223,7 +223,7 @@ fn scale_check(s: Scale) -> anyhow::Result<bool> {
         .filter(|k| k.is_waypoint())
         .with_context(|| {
             format!(
-                "--dataplane {:?}: use ebpf, ebpf-rewrite, splice or copy",
+                "--dataplane {:?}: use ebpf, ebpf-rewrite, auto, splice or copy",
                 s.dataplane
             )
         })?;
@@ -262,7 +262,7 @@ fn soak_run(s: Soak) -> anyhow::Result<bool> {
             let kind = Kind::parse(name)
                 .filter(|k| k.is_waypoint())
                 .with_context(|| {
-                    format!("--dataplanes {d:?}: use ebpf, ebpf-rewrite, splice or copy")
+                    format!("--dataplanes {d:?}: use ebpf, ebpf-rewrite, auto, splice or copy")
                 })?;
             let modes = if own.is_empty() {
                 modes.clone()

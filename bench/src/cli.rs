@@ -76,13 +76,14 @@ pub struct Common {
 pub struct Soak {
     #[command(flatten)]
     pub daemon: Daemon,
-    /// Dataplanes, comma-separated: ebpf, ebpf-rewrite (ebpf with --rewrite-splice),
+    /// Dataplanes, comma-separated: auto (the daemon's default, no dataplane flag),
+    /// ebpf (the SockHash redirect alone), ebpf-rewrite (ebpf with --rewrite-splice),
     /// splice, copy. `name:mode+mode` gives a dataplane modes of its own (e.g.
     /// `ebpf-rewrite:tls`).
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "ebpf,ebpf-rewrite,splice,copy"
+        default_value = "auto,ebpf,ebpf-rewrite,splice,copy"
     )]
     pub dataplanes: Vec<String>,
     /// How connections speak, comma-separated, mixed at random: tls (a real handshake),
@@ -175,7 +176,8 @@ pub struct Scale {
     /// Concurrent connections to hold.
     #[arg(long, default_value_t = 100_000)]
     pub connections: usize,
-    /// The waypoint dataplane: ebpf, ebpf-rewrite (ebpf with --rewrite-splice), splice or copy.
+    /// The waypoint dataplane: auto, ebpf, ebpf-rewrite (ebpf with --rewrite-splice),
+    /// splice or copy.
     #[arg(long, default_value = "ebpf")]
     pub dataplane: String,
     /// Give up opening connections after this long (seconds).

@@ -68,6 +68,10 @@ pub enum Kind {
     /// The waypoint's eBPF dataplane with `--rewrite-splice`: the TC program rewrites
     /// connections' packet headers on lo (every bench connection is same-host).
     EbpfRewrite,
+    /// The waypoint as it runs with no dataplane flag (`--dataplane auto`): on a kernel
+    /// with the 2023 sockmap fixes, ebpf-rewrite's paths. Not in [`Kind::ALL`] (the
+    /// bench's ebpf-rewrite row is the same path); the soak runs it by name.
+    Auto,
     /// Experiment, not a product: `experiments/tcp-rewrite` (a Python SNI proxy whose
     /// connections get their packet headers rewritten at lo's TC ingress). Only
     /// with `--only tc-rewrite`; see docs/PERFORMANCE.md.
@@ -94,6 +98,7 @@ impl Kind {
             Kind::Nginx => "nginx",
             Kind::Haproxy => "haproxy",
             Kind::EbpfRewrite => "ebpf-rewrite",
+            Kind::Auto => "auto",
             Kind::TcRewrite => "tc-rewrite",
         }
     }
@@ -101,7 +106,7 @@ impl Kind {
     pub fn parse(s: &str) -> Option<Kind> {
         Kind::ALL
             .into_iter()
-            .chain([Kind::TcRewrite])
+            .chain([Kind::Auto, Kind::TcRewrite])
             .find(|k| k.name() == s)
     }
 
@@ -115,7 +120,7 @@ impl Kind {
     pub fn is_waypoint(self) -> bool {
         matches!(
             self,
-            Kind::Ebpf | Kind::EbpfRewrite | Kind::Splice | Kind::Copy
+            Kind::Ebpf | Kind::EbpfRewrite | Kind::Auto | Kind::Splice | Kind::Copy
         )
     }
 }
