@@ -75,9 +75,10 @@ impl Metrics {
         registry.register(
             "dataplane",
             "The path connections take (ebpf-rewrite, ebpf, splice, copy) and why: asked \
-             (--dataplane named it), probed (auto: the kernel took it), rewrite_refused or \
-             ebpf_refused (auto: the kernel refused the rung above; the log and /readyz say \
-             how), sockmap_unfixed (auto: the kernel lacks the 2023 sockmap fixes the \
+             (--dataplane named it), probed (auto: the kernel took it), rewrite_refused \
+             (auto: the kernel refused the rewrite program, or no CAP_NET_RAW for its \
+             resets), ebpf_refused (auto: the kernel refused the eBPF dataplane); the log \
+             and /readyz say how; sockmap_unfixed (auto: the kernel lacks the 2023 sockmap fixes the \
              SockHash redirect needs). Always 1",
             info,
         );
