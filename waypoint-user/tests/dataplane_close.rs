@@ -26,6 +26,9 @@ const SEED_DOWN: u64 = 2;
 /// Bound on waiting for something that should happen promptly: a broken dataplane makes
 /// the test fail with a message instead of hanging.
 const BOUND: Duration = Duration::from_secs(10);
+/// Bound on a whole scenario: a step without its own bound that waits for ever (a write
+/// no one reads) fails the test instead of stalling the suite.
+const SCENARIO_BOUND: Duration = Duration::from_secs(120);
 /// How much must have flowed before a reset, so the reset hits a busy connection.
 const FLOWING: u64 = 1024 * 1024;
 
@@ -36,22 +39,22 @@ macro_rules! for_each_dataplane {
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn ebpf() {
-                super::$scenario(Kind::Ebpf).await;
+                super::bounded(super::$scenario(Kind::Ebpf)).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn splice() {
-                super::$scenario(Kind::Splice).await;
+                super::bounded(super::$scenario(Kind::Splice)).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn copy() {
-                super::$scenario(Kind::Copy).await;
+                super::bounded(super::$scenario(Kind::Copy)).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn auto() {
-                super::$scenario(Kind::Auto).await;
+                super::bounded(super::$scenario(Kind::Auto)).await;
             }
         }
     )*};
@@ -73,6 +76,13 @@ for_each_dataplane!(
     lifetime_closes_silent_connection,
     lifetime_closes_busy_connection,
 );
+
+/// Runs a scenario within [`SCENARIO_BOUND`].
+async fn bounded(scenario: impl std::future::Future<Output = ()>) {
+    timeout(SCENARIO_BOUND, scenario)
+        .await
+        .unwrap_or_else(|_| panic!("the scenario did not finish within {SCENARIO_BOUND:?}"));
+}
 
 /// A server listener and a proxy in front of it.
 async fn setup(kind: Kind, initial_len: usize, limits: Limits) -> (TcpListener, common::Proxy) {
@@ -122,7 +132,10 @@ async fn send_pattern(w: &mut (impl AsyncWrite + Unpin), seed: u64, len: u64) {
     while off < len {
         let n = (len - off).min(buf.len() as u64) as usize;
         common::pattern_fill(seed, off, &mut buf[..n]);
-        w.write_all(&buf[..n]).await.unwrap();
+        timeout(BOUND, w.write_all(&buf[..n]))
+            .await
+            .unwrap_or_else(|_| panic!("no room to write for {BOUND:?} after {off} bytes"))
+            .unwrap();
         off += n as u64;
     }
 }
@@ -383,11 +396,17 @@ async fn server_full_close_after_response(kind: Kind) {
         None,
         "{kind:?}: request intact"
     );
-    send_pattern(&mut s, SEED_DOWN, RESPONSE).await;
-    // Everything the client sent was read, so this close sends FIN, not RST.
-    drop(s);
+    // The client reads while the server writes: where client and pod share one TCP
+    // conversation (the rewrite splice), nothing but the two ends' buffers holds the
+    // response, and they need not hold 6 MiB.
+    let server = tokio::spawn(async move {
+        send_pattern(&mut s, SEED_DOWN, RESPONSE).await;
+        // Everything the client sent was read, so this close sends FIN, not RST.
+        drop(s);
+    });
 
     let got = recv_to_eof(&mut c, SEED_DOWN, "client").await;
+    server.await.unwrap();
     assert_eq!(
         got, RESPONSE,
         "{kind:?}: client gets the whole response before EOF"
@@ -569,8 +588,11 @@ async fn upstream_fin_queued_before_forwarding(kind: Kind) {
         got, BANNER,
         "{kind:?}: client gets the whole answer, then EOF"
     );
-    send_pattern(&mut c, SEED_UP, UP).await;
-    c.shutdown().await.unwrap();
+    // Sent while the server reads: the ends' buffers alone need not hold it all.
+    let client = tokio::spawn(async move {
+        send_pattern(&mut c, SEED_UP, UP).await;
+        c.shutdown().await.unwrap();
+    });
 
     let mut h = vec![0u8; HELLO];
     timeout(BOUND, s.read_exact(&mut h))
@@ -580,6 +602,7 @@ async fn upstream_fin_queued_before_forwarding(kind: Kind) {
     assert_eq!(h, hello(), "{kind:?}: initial bytes first");
     let got = recv_to_eof(&mut s, SEED_UP, "server after its own FIN").await;
     assert_eq!(got, UP, "{kind:?}: half-closed server gets every byte");
+    client.await.unwrap();
     drop(s);
 
     let out = common::next_outcome(&mut proxy, BOUND).await;
