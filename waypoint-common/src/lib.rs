@@ -276,12 +276,17 @@ pub struct Rewrite {
     /// Userspace: the TSval clock of the socket whose identity the packet takes on, as an
     /// offset from CLOCK_MONOTONIC in milliseconds.
     pub ts_off: u32,
-    /// Kernel: added to TSval: the sender's clock to that socket's clock, learned from
-    /// the first packet with a timestamp.
-    pub ts_add: u32,
-    /// Kernel: taken off TSecr; the reverse direction's `ts_add`, so that the receiver
-    /// sees its own clock echoed.
+    /// Kernel: taken off TSecr; the reverse direction's TSval addend (`ts_add`), so that
+    /// the receiver sees its own clock echoed. Written once, by the packet that learned
+    /// that addend.
     pub ecr_sub: u32,
+    /// Kernel: 0 until learned, then [`TS_ADD_LEARNED`] with, in the low 32 bits, what is
+    /// added to TSval: the sender's clock to that socket's clock, learned from the first
+    /// packet with a timestamp. Learned with one 64-bit compare-and-exchange, so that
+    /// packets handled on two CPUs at once all take the one value: two values a few
+    /// milliseconds apart make the later, smaller one look old to the receiver's PAWS
+    /// check, which drops it.
+    pub ts_add: u64,
     /// Kernel and userspace ([`REWRITE_TS_LEARNED`], ...). 64 bits wide and aligned:
     /// the program sets and clears bits with 64-bit atomic instructions, since two CPUs
     /// can handle packets of one direction at once (32-bit ones need the 32-bit ALU code
@@ -304,10 +309,11 @@ pub struct Rewrite {
 // The program's atomic instructions need `flags` and `next_seq` on 8-byte boundaries.
 const _: () = assert!(core::mem::offset_of!(Rewrite, flags) % 8 == 0);
 const _: () = assert!(core::mem::offset_of!(Rewrite, next_seq) % 8 == 0);
-const _: () = assert!(core::mem::size_of::<Rewrite>() == 72);
+const _: () = assert!(core::mem::offset_of!(Rewrite, ts_add) % 8 == 0);
+const _: () = assert!(core::mem::size_of::<Rewrite>() == 80);
 
-/// [`Rewrite::flags`]: `ts_add` is known.
-pub const REWRITE_TS_LEARNED: u64 = 1;
+/// [`Rewrite::ts_add`]: learned (the addend itself is the low 32 bits).
+pub const TS_ADD_LEARNED: u64 = 1 << 32;
 /// [`Rewrite::flags`]: the first pure ACK goes to the waypoint's socket (see
 /// [`Rewrite::watch`]); cleared by the program when it did so.
 pub const REWRITE_WATCH: u64 = 2;

@@ -32,8 +32,7 @@ use core::intrinsics::{atomic_and, atomic_cxchg, atomic_or, atomic_xadd, AtomicO
 use waypoint_common::{
     Rewrite, RewriteEnd, RewriteKey, RewriteStat, Stat, DEFAULT_MAX_REWRITES, END_CLIENT_RST,
     END_CLOSED, END_GONE, END_POD_RST, PORT_CLIENT_TO, PORT_POD_FROM, REWRITE_FILLS_CAPACITY,
-    REWRITE_FIN, REWRITE_FROM_POD, REWRITE_RST, REWRITE_STAT_COUNT, REWRITE_TS_LEARNED,
-    REWRITE_WATCH,
+    REWRITE_FIN, REWRITE_FROM_POD, REWRITE_RST, REWRITE_STAT_COUNT, REWRITE_WATCH, TS_ADD_LEARNED,
 };
 
 // Not preallocated, for the same reason as SLOTS: the program writes through the pointer
@@ -661,18 +660,33 @@ fn timestamps(
     let val_raw = u32::from_ne_bytes([ts[0], ts[1], ts[2], ts[3]]);
     let ecr_raw = u32::from_ne_bytes([ts[4], ts[5], ts[6], ts[7]]);
     let tsval = u32::from_be(val_raw);
-    let mut add = w.ts_add;
-    if w.flags & REWRITE_TS_LEARNED == 0 {
+    let add = if w.ts_add & TS_ADD_LEARNED != 0 {
+        w.ts_add as u32
+    } else {
         // SAFETY: the helper has no preconditions.
         let now = (unsafe { bpf_ktime_get_ns() } / 1_000_000) as u32;
-        add = now.wrapping_add(w.ts_off).wrapping_sub(tsval);
-        r.ts_add = add;
-        flags_or(r, REWRITE_TS_LEARNED);
-        if let Some(back) = REWRITES.get_ptr_mut(reverse) {
-            // SAFETY: as for `r` in `rewrite`.
-            unsafe { (*back).ecr_sub = add };
+        let mine = now.wrapping_add(w.ts_off).wrapping_sub(tsval);
+        // One learner wins; a packet that lost the race takes the winner's value (see
+        // `Rewrite::ts_add`).
+        // SAFETY: as for `at` in `advance`: the field is in the map element, 8-byte
+        // aligned (asserted in waypoint-common), and other CPUs touch it only atomically.
+        let (was, won) = unsafe {
+            atomic_cxchg::<u64, { AtomicOrdering::Relaxed }, { AtomicOrdering::Relaxed }>(
+                &raw mut r.ts_add,
+                0,
+                TS_ADD_LEARNED | u64::from(mine),
+            )
+        };
+        if won {
+            if let Some(back) = REWRITES.get_ptr_mut(reverse) {
+                // SAFETY: as for `r` in `rewrite`.
+                unsafe { (*back).ecr_sub = mine };
+            }
+            mine
+        } else {
+            was as u32
         }
-    }
+    };
     let to_val = tsval.wrapping_add(add).to_be();
     let tsecr = u32::from_be(ecr_raw);
     let to_ecr = if tsecr == 0 {

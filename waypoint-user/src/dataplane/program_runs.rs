@@ -20,7 +20,7 @@ use aya::{
 };
 use waypoint_common::{
     Rewrite, RewriteKey, PORT_CLIENT_TO, PORT_POD_FROM, REWRITES_MAP, REWRITE_FILLS_MAP,
-    REWRITE_FROM_POD, REWRITE_PORTS_MAP, REWRITE_PROG, VERDICT_PROG,
+    REWRITE_FROM_POD, REWRITE_PORTS_MAP, REWRITE_PROG, TS_ADD_LEARNED, VERDICT_PROG,
 };
 
 use super::{bpf_cmd, ebpf::OBJECT};
@@ -215,6 +215,107 @@ fn concurrent_runs_count_each_byte_once() {
     );
     assert_eq!(after.next_seq, START.wrapping_add(SEGMENTS * LEN));
     assert_eq!(after.packets, u64::from(2 * SEGMENTS), "packets lost");
+}
+
+/// As [`segment`] (no payload), from client port `sport`, with the timestamps option in
+/// Linux's layout (NOP, NOP, TSval, TSecr).
+fn timestamped(sport: u16, tsval: u32, tsecr: u32) -> Vec<u8> {
+    let mut p = packet((CLIENT, sport), (WAYPOINT, 15443), 1, 1, 12);
+    p[46] = 8 << 4;
+    p[54..58].copy_from_slice(&[1, 1, 8, 10]);
+    p[58..62].copy_from_slice(&tsval.to_be_bytes());
+    p[62..66].copy_from_slice(&tsecr.to_be_bytes());
+    p
+}
+
+/// TSval of a frame built by [`timestamped`].
+fn tsval_of(frame: &[u8]) -> u32 {
+    u32::from_be_bytes(frame[58..62].try_into().unwrap())
+}
+
+/// The first timestamped packets of a connection, rewritten on two CPUs at once, take
+/// one TSval addend between them, and the reverse direction echoes with that one. (With
+/// the addend learned by plain stores, each CPU applied the one it computed from its own
+/// packet, and the last store won: two TSvals apart by the packets' difference in delay,
+/// the smaller one dropped by the receiver's PAWS check.) The two packets here carry
+/// TSvals a million apart, so two learners would differ by about that.
+#[test]
+fn concurrent_first_timestamps_learn_one_clock_offset() {
+    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+    assert!(cpus >= 2, "needs two CPUs, has {cpus}");
+    let mut loaded = EbpfLoader::new().load(OBJECT).unwrap();
+    let mut map: HashMap<MapData, RewriteKey, Rewrite> =
+        HashMap::try_from(loaded.take_map(REWRITES_MAP).unwrap()).unwrap();
+    let fd = load_rewrite(&mut loaded);
+    let mut ports: Array<MapData, u8> =
+        Array::try_from(loaded.take_map(REWRITE_PORTS_MAP).unwrap()).unwrap();
+    ports.set(15443, PORT_CLIENT_TO, 0).unwrap();
+
+    // One fresh connection per round, so that every round learns anew.
+    const ROUNDS: u16 = 4000;
+    const TSVALS: [u32; 2] = [1_000, 1_001_000];
+    let sport = |round: u16| 20000 + round;
+    let to = |round: u16| key(WAYPOINT, POD, 20000 + round, 15008);
+    let reverse = |round: u16| key(POD, WAYPOINT, 15008, 20000 + round);
+    for round in 0..ROUNDS {
+        let entry = Rewrite {
+            to: to(round),
+            ts_off: 77,
+            ..Rewrite::default()
+        };
+        map.insert(key(CLIENT, WAYPOINT, sport(round), 15443), entry, 0)
+            .unwrap();
+        let back = Rewrite {
+            to: key(WAYPOINT, CLIENT, 15443, sport(round)),
+            flags: REWRITE_FROM_POD,
+            ..Rewrite::default()
+        };
+        map.insert(reverse(round), back, 0).unwrap();
+    }
+
+    let ready = AtomicU32::new(0);
+    let added: Vec<Vec<u32>> = std::thread::scope(|s| {
+        let runs: Vec<_> = (0..2)
+            .map(|cpu| {
+                let (ready, fd) = (&ready, &fd);
+                s.spawn(move || {
+                    pin_to(cpu);
+                    (0..ROUNDS)
+                        .map(|round| {
+                            let p = timestamped(sport(round), TSVALS[cpu], 0);
+                            // The spinning rendezvous of `concurrent_runs_count_each_byte_once`.
+                            ready.fetch_add(1, SeqCst);
+                            while ready.load(SeqCst) < 2 * (u32::from(round) + 1) {
+                                std::hint::spin_loop();
+                            }
+                            let ran = run_out(fd.as_fd(), &p, 1);
+                            tsval_of(&ran.out).wrapping_sub(TSVALS[cpu])
+                        })
+                        .collect()
+                })
+            })
+            .collect();
+        runs.into_iter().map(|r| r.join().unwrap()).collect()
+    });
+
+    let mut split = 0;
+    for round in 0..ROUNDS {
+        let i = usize::from(round);
+        let entry = map
+            .get(&key(CLIENT, WAYPOINT, sport(round), 15443), 0)
+            .unwrap();
+        let back = map.get(&reverse(round), 0).unwrap();
+        assert_eq!(entry.ts_add & !u64::from(u32::MAX), TS_ADD_LEARNED);
+        let learned = entry.ts_add as u32;
+        if added[0][i] != added[1][i] {
+            split += 1;
+        }
+        assert_eq!(
+            (added[0][i], added[1][i], back.ecr_sub),
+            (learned, learned, learned),
+            "round {round}: the two packets' addends and the reverse's ({split} rounds split so far)"
+        );
+    }
 }
 
 /// The verifier walks every path of a program, up to a million instructions in all
