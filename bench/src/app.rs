@@ -290,6 +290,7 @@ fn soak_run(s: Soak) -> anyhow::Result<bool> {
         deadline: Duration::from_secs(s.deadline),
         seed,
         replay: s.replay,
+        netem: s.netem.clone(),
         waypoint_bin: s.daemon.waypoint.clone(),
         work: work.0.clone(),
     })

@@ -109,6 +109,12 @@ pub struct Soak {
     /// connection's plan, many times in parallel.
     #[arg(long)]
     pub replay: Option<u64>,
+    /// tc's netem parameters for loopback while the soak runs, e.g. "delay 1ms 1ms loss
+    /// 1% duplicate 1%": delay, jitter (which reorders), loss and duplication on every
+    /// packet of the run. Needs the kernel's sch_netem (`cargo xtask kernels` runs it
+    /// in Debian's kernels).
+    #[arg(long)]
+    pub netem: Option<String>,
 }
 
 #[derive(Debug, clap::Args)]

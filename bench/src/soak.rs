@@ -11,6 +11,7 @@
 //! (`ss`) and the waypoint's dataplane counters.
 
 mod client;
+mod netem;
 mod scenario;
 mod server;
 mod wire;
@@ -65,6 +66,8 @@ pub struct Settings {
     pub seed: u64,
     /// Every connection uses this seed (replays one failed connection's plan).
     pub replay: Option<u64>,
+    /// tc's netem parameters for loopback during the run (see [`netem`]).
+    pub netem: Option<String>,
     pub waypoint_bin: PathBuf,
     pub work: PathBuf,
 }
@@ -172,14 +175,18 @@ pub fn run(s: &Settings) -> anyhow::Result<bool> {
         .enable_all()
         .build()
         .context("building the clients' runtime")?;
+    // Before the first waypoint starts, after the pod and registry: what the dataplanes
+    // carry crosses the impaired path from the first connection on.
+    let netem = s.netem.as_deref().map(netem::Netem::apply).transpose()?;
     eprintln!(
-        "soak: {} s per dataplane, {} connections at once, {} busy thread(s), deadline {:?}, seed {}{}",
+        "soak: {} s per dataplane, {} connections at once, {} busy thread(s), deadline {:?}, seed {}{}{}",
         s.duration.as_secs_f64(),
         s.parallel,
         s.busy,
         s.deadline,
         s.seed,
-        s.replay.map(|r| format!(", every connection replays seed {r}")).unwrap_or_default()
+        s.replay.map(|r| format!(", every connection replays seed {r}")).unwrap_or_default(),
+        netem.as_ref().map(|n| format!(", netem on lo: {}", n.spec())).unwrap_or_default()
     );
     let mut outcomes = Vec::new();
     for (kind, modes) in &s.kinds {
@@ -209,6 +216,7 @@ pub fn run(s: &Settings) -> anyhow::Result<bool> {
         eprintln!("{}", describe(&outcome));
         outcomes.push(outcome);
     }
+    drop(netem);
     rt.shutdown_background();
     pod.shutdown();
     registry.shutdown();
@@ -668,11 +676,15 @@ fn summary(s: &Settings, outcomes: &[Outcome]) -> String {
     }
     let _ = writeln!(
         out,
-        "\nsoak seed {} ({} s per dataplane, {} at once, {} busy): {}",
+        "\nsoak seed {} ({} s per dataplane, {} at once, {} busy{}): {}",
         s.seed,
         s.duration.as_secs_f64(),
         s.parallel,
         s.busy,
+        s.netem
+            .as_deref()
+            .map(|n| format!(", netem {n}"))
+            .unwrap_or_default(),
         total
     );
     // Every failure counts against the connections, also those that are no one

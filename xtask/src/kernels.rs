@@ -111,6 +111,17 @@ fn soak_dataplanes(k: &Kernel) -> &'static str {
 /// Seconds of the soak per dataplane in a guest.
 const SOAK_SECONDS: u32 = 20;
 
+/// The impaired path of the guest's second soak, on loopback (tc's netem parameters):
+/// 1 ms of delay with 1 ms of jitter (packets overtake each other), 1 % lost, 1 %
+/// duplicated.
+const NETEM: &str = "delay 1ms 1ms loss 1% duplicate 1%";
+
+/// Seconds of the netem soak per dataplane in a guest.
+const NETEM_SOAK_SECONDS: u32 = 10;
+
+/// The guest's soaks, in the order they run: on a clean path, then on [`NETEM`]'s.
+const SOAKS: &[&str] = &["soak", "soak-netem"];
+
 /// Options of `cargo xtask kernels`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -188,7 +199,7 @@ pub fn kernels(root: &Path, args: &Args) -> anyhow::Result<()> {
         for run in 1..=args.repeat {
             // A run's logs replace the last run's: a kernel stops at its first failed
             // run, so what is left is that run's.
-            for t in TESTS.iter().chain(&["soak"]) {
+            for t in TESTS.iter().chain(SOAKS) {
                 let _ = fs::remove_file(dir.join(format!("{t}.hang")));
             }
             let started = Instant::now();

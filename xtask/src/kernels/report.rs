@@ -3,7 +3,7 @@
 
 use std::{fmt::Write as _, fs, path::Path};
 
-use super::{guest::Exit, Kernel, TESTS};
+use super::{guest::Exit, Kernel, SOAKS, TESTS};
 
 /// One guest's results: per test binary (and the soak), passed and failed counts, or
 /// why there are none.
@@ -67,15 +67,15 @@ pub(super) fn results(k: &Kernel, dir: &Path, exits: &[(String, Exit)], no_soak:
         };
         cells.push(((*t).to_owned(), cell));
     }
-    if !no_soak {
-        let log = fs::read_to_string(dir.join("soak.log")).unwrap_or_default();
-        let cell = match (exits.iter().find(|(n, _)| n == "soak"), soak_counts(&log)) {
+    for soak in SOAKS.iter().filter(|_| !no_soak) {
+        let log = fs::read_to_string(dir.join(format!("{soak}.log"))).unwrap_or_default();
+        let cell = match (exits.iter().find(|(n, _)| n == soak), soak_counts(&log)) {
             (None, _) => Cell::Missing,
             (Some((_, Exit::Hung)), _) => Cell::Hung,
             (Some(_), Some((passed, failed))) => Cell::Counts { passed, failed },
             (Some((_, Exit::Code(code))), None) => Cell::Exit(*code),
         };
-        cells.push(("soak".to_owned(), cell));
+        cells.push(((*soak).to_owned(), cell));
     }
     Row {
         kernel: k.name,
