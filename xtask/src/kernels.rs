@@ -112,9 +112,9 @@ fn soak_dataplanes(k: &Kernel) -> &'static str {
 const SOAK_SECONDS: u32 = 20;
 
 /// The impaired path of the guest's second soak, on loopback (tc's netem parameters):
-/// 1 ms of delay with 1 ms of jitter (packets overtake each other), 1 % lost, 1 %
-/// duplicated.
-const NETEM: &str = "delay 1ms 1ms loss 1% duplicate 1%";
+/// 0 to 10 ms of delay (5 ms, 5 ms of jitter: packets overtake each other), 1 % lost,
+/// 1 % duplicated.
+const NETEM: &str = "delay 5ms 5ms loss 1% duplicate 1%";
 
 /// Seconds of the netem soak per dataplane in a guest.
 const NETEM_SOAK_SECONDS: u32 = 10;

@@ -407,20 +407,33 @@ fn test(root: &Path, no_lint: bool, no_kernels: bool) -> anyhow::Result<()> {
     if String::from_utf8_lossy(&uid.stdout).trim() != "0" {
         bail!("the test suite needs root (eBPF and network namespaces); run it with sudo");
     }
+    // Where the run's time goes (CI has 90 minutes), said as each step starts.
+    let started = std::time::Instant::now();
+    let step = |name: &str| {
+        eprintln!(
+            "xtask test: {:.0} s in, next: {name}",
+            started.elapsed().as_secs_f64()
+        );
+    };
     if !no_lint {
+        step("fmt, clippy");
         run(cargo(root).args(["fmt", "--all", "--", "--check"]))?;
         run(cargo(root).args(["clippy", "--all-targets", "--", "-D", "warnings"]))?;
     }
+    step("fuzz");
     fuzz(root, 60)?;
     // Release: the dataplane tests move gigabytes; debug builds make them needlessly slow.
+    step("cargo test --release");
     run(cargo(root).args(["test", "--release"]))?;
     // Every kernel the docs claim, each path it is claimed for.
     if !no_kernels {
+        step("kernels");
         kernels::kernels(root, &kernels::Args::for_test())?;
     }
     // The byte path proven by volume: every dataplane, real TLS and raw, under CPU
     // contention. Last, so that its closing line ("soak: N passed, N failed") closes
     // the run.
+    step("soak");
     soak(
         root,
         &[
