@@ -773,6 +773,7 @@ pub fn json(run: &Run, machine: &Value) -> Value {
                     "memory": r.memory.iter().map(|m| json!({
                         "rss_before_bytes": m.rss_before, "rss_after_bytes": m.rss_after,
                         "opened": m.opened, "wanted": m.wanted, "bytes_per_conn": m.per_conn(), "error": m.error, "parked": m.parked,
+                        "heap_bytes_per_conn": m.heap_per_conn(),
                     })).collect::<Vec<_>>(),
                 },
                 "paths": r.paths.iter().map(|((path, reason), n)| json!({

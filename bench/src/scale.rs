@@ -248,6 +248,14 @@ pub fn run(s: &Settings) -> anyhow::Result<(String, Value, bool)> {
             .sum()
     };
     let rss_before = rss_of(&routers);
+    // The daemons' live heap (the allocator's count), beside RSS.
+    let heap_of = |routers: &[Router]| -> Option<f64> {
+        routers
+            .iter()
+            .map(|r| metric(r.admin?, "waypoint_heap_allocated_bytes"))
+            .sum()
+    };
+    let heap_before = heap_of(&routers);
 
     eprintln!(
         "scale: opening {n} connections through {daemons} waypoint(s) ({}) at {listen}",
@@ -303,6 +311,7 @@ pub fn run(s: &Settings) -> anyhow::Result<(String, Value, bool)> {
         .map(|&a| metric(a, "waypoint_rewrite_live"))
         .sum();
     let rss_peak = rss_of(&routers);
+    let heap_peak = heap_of(&routers);
     let active_peak = active(&routers);
     let per_daemon: Vec<Option<f64>> = routers
         .iter()
@@ -353,6 +362,9 @@ pub fn run(s: &Settings) -> anyhow::Result<(String, Value, bool)> {
 
     let ok = opened == n && errors == 0 && check_failed == 0 && drained && alive;
     let per_conn = rss_peak.saturating_sub(rss_before) as f64 / opened.max(1) as f64;
+    let heap_per_conn = heap_before
+        .zip(heap_peak)
+        .map(|(b, p)| (p - b) / opened.max(1) as f64);
     let mib = |b: u64| b as f64 / 1048576.0;
     let mut md = format!(
         "## Scale check: {n} concurrent connections through the waypoint ({})\n\n",
@@ -366,6 +378,7 @@ pub fn run(s: &Settings) -> anyhow::Result<(String, Value, bool)> {
          | per daemon | {} |\n\
          | spot check (1 byte echoed on every 997th) | {} of {checked} ok |\n\
          | daemons' RSS before → at the peak | {:.1} MiB → {:.1} MiB ({per_conn:.0} B per connection; {} parked{}) |\n\
+         | daemons' live heap per connection (the allocator's count) | {} |\n\
          | all closed and drained | {} in {close_s:.1} s |\n\
          | daemons alive throughout | {} |\n",
         if ok { "✅ passed" } else { "❌ failed" },
@@ -385,6 +398,7 @@ pub fn run(s: &Settings) -> anyhow::Result<(String, Value, bool)> {
         mib(rss_peak),
         parked.map_or("–".into(), |p| format!("{p:.0}")),
         rewritten.map_or(String::new(), |r| format!(", {r:.0} rewritten")),
+        heap_per_conn.map_or("–".into(), |h| format!("{h:.0} B")),
         if drained { "yes" } else { "NO" },
         if alive { "yes" } else { "NO" },
     ));
@@ -399,6 +413,7 @@ pub fn run(s: &Settings) -> anyhow::Result<(String, Value, bool)> {
         "active_at_peak": active_peak, "active_per_daemon": per_daemon,
         "spot_checked": checked, "spot_check_failed": check_failed,
         "rss_before_bytes": rss_before, "rss_peak_bytes": rss_peak, "rss_bytes_per_conn": per_conn,
+        "heap_bytes_per_conn": heap_per_conn,
         "parked_at_peak": parked, "rewrite_live_at_peak": rewritten,
         "drained": drained, "close_secs": close_s, "daemons_alive": alive, "rlimit_nofile": nofile,
         "notes": notes, "wall_secs": started.elapsed().as_secs_f64(),

@@ -65,6 +65,9 @@ pub struct Memory {
     /// The waypoint's `waypoint_connections_parked` when RSS was read (None: not a
     /// waypoint, or its admin server did not answer).
     pub parked: Option<f64>,
+    /// The waypoint's `waypoint_heap_allocated_bytes` beside each RSS reading (None: not
+    /// a waypoint): its live heap, which RSS cannot tell from freed memory kept for reuse.
+    pub heap: Option<(f64, f64)>,
 }
 
 impl Memory {
@@ -73,6 +76,12 @@ impl Memory {
             return f64::NAN;
         }
         self.rss_after.saturating_sub(self.rss_before) as f64 / self.opened as f64
+    }
+
+    /// Live heap bytes per connection (the allocator's count), where known.
+    pub fn heap_per_conn(&self) -> Option<f64> {
+        let (before, after) = self.heap?;
+        (self.opened > 0).then(|| (after - before) / self.opened as f64)
     }
 }
 
@@ -243,13 +252,15 @@ pub fn run(s: Settings, servers: &Servers) -> anyhow::Result<Run> {
                         ));
                     }
                     eprintln!(
-                        "[rep {rep}] {:<8} memory: {} idle connections{}, RSS {:.1} → {:.1} MiB, {:.0} B/conn",
+                        "[rep {rep}] {:<8} memory: {} idle connections{}, RSS {:.1} → {:.1} MiB, {:.0} B/conn{}",
                         kind.name(),
                         m.opened,
                         m.parked.map_or(String::new(), |p| format!(" ({p} parked)")),
                         m.rss_before as f64 / 1048576.0,
                         m.rss_after as f64 / 1048576.0,
-                        m.per_conn()
+                        m.per_conn(),
+                        m.heap_per_conn()
+                            .map_or(String::new(), |h| format!("; live heap {h:.0} B/conn"))
                     );
                     out.memory.push(m);
                 }
@@ -470,6 +481,11 @@ fn memory(s: &Settings, setup: &Setup<'_>, kind: Kind) -> anyhow::Result<Memory>
         .pid()
         .ok_or_else(|| anyhow::anyhow!("{} has no process", kind.name()))?;
     std::thread::sleep(Duration::from_millis(300));
+    let heap = || {
+        r.admin
+            .and_then(|a| crate::scale::metric(a, "waypoint_heap_allocated_bytes"))
+    };
+    let heap_before = heap();
     let rss_before = sys::rss_tree(pid);
     let (conns, err) = load::open_idle(&r.echo, s.idle_conns);
     // Let the router finish its per-connection work (eBPF insertion), and the waypoint
@@ -482,6 +498,7 @@ fn memory(s: &Settings, setup: &Setup<'_>, kind: Kind) -> anyhow::Result<Memory>
         .filter(|_| kind != Kind::Splice)
         .and_then(|a| crate::scale::wait_parked(&[a], opened, crate::scale::PARK_WAIT));
     let rss_after = sys::rss_tree(pid);
+    let heap = heap_before.zip(heap());
     drop(conns);
     r.stop();
     let m = Memory {
@@ -491,6 +508,7 @@ fn memory(s: &Settings, setup: &Setup<'_>, kind: Kind) -> anyhow::Result<Memory>
         wanted: s.idle_conns,
         error: err.map(|e| e.to_string()),
         parked,
+        heap,
     };
     // A router that stops accepting part way (out of file descriptors: splice holds two
     // pipes per connection) still gives a per-connection figure, flagged.

@@ -83,6 +83,7 @@ impl Metrics {
             info,
         );
         registry.register_collector(Box::new(DataplaneCollector { dataplane }));
+        registry.register_collector(Box::new(HeapCollector));
         Metrics { registry }
     }
 
@@ -97,6 +98,41 @@ impl Metrics {
         // Writing to a String cannot fail.
         let _ = encode(&mut out, &self.registry);
         out
+    }
+}
+
+/// The allocator's own account of the daemon's heap, read at each scrape: what RSS
+/// cannot tell apart (live state against memory freed and kept resident for reuse).
+#[derive(Debug)]
+struct HeapCollector;
+
+impl Collector for HeapCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        use tikv_jemalloc_ctl::{epoch, stats};
+        // jemalloc caches its statistics until the epoch advances. Where it answers
+        // nothing (it always does when it is the allocator), there is nothing to say.
+        if epoch::advance().is_err() {
+            return Ok(());
+        }
+        for (name, help, read) in [
+            (
+                "heap_allocated_bytes",
+                "Bytes the daemon's heap holds allocated (jemalloc's stats.allocated): its \
+                 live state, connections' included",
+                stats::allocated::read as fn() -> tikv_jemalloc_ctl::Result<usize>,
+            ),
+            (
+                "heap_resident_bytes",
+                "Bytes of the heap's pages resident in memory (jemalloc's stats.resident): \
+                 the allocated bytes, freed ones kept for reuse, and the allocator's own",
+                stats::resident::read,
+            ),
+        ] {
+            if let Ok(n) = read() {
+                single(&mut encoder, name, help, gauge(n as u64))?;
+            }
+        }
+        Ok(())
     }
 }
 

@@ -559,6 +559,9 @@ async fn the_connection_limit_refuses_the_excess_and_recovers() {
     let (tunnel, admin) = (daemon.tunnel_addr, daemon.admin_addr);
     let hello = hello_for("8080.reviews.bookinfo.mesh.local");
     let overload = "waypoint_connections_rejected_total{reason=\"overload\"}";
+    let heap = "waypoint_heap_allocated_bytes";
+    let heap_idle = sample(admin, heap).await;
+    assert!(heap_idle > 0.0, "the daemon's heap is reported");
     // Up to the limit: half routed, half holding a partial hello (a pending slot each;
     // a partial hello is accepted at once, where a silent client waits in the kernel).
     let mut active = Vec::new();
@@ -582,6 +585,7 @@ async fn the_connection_limit_refuses_the_excess_and_recovers() {
         "none refused within the limit"
     );
     let rss_at_limit = daemon.rss_kib();
+    let heap_at_limit = sample(admin, heap).await;
 
     // As many again, of both kinds: every one closed without an answer, and counted.
     for i in 0..LIMIT {
@@ -593,10 +597,23 @@ async fn the_connection_limit_refuses_the_excess_and_recovers() {
     }
     assert_eq!(sample(admin, overload).await, LIMIT as f64);
     let rss_over = daemon.rss_kib();
-    println!("daemon RSS: {rss_at_limit} KiB at the limit, {rss_over} KiB after {LIMIT} refused");
+    let heap_over = sample(admin, heap).await;
+    println!(
+        "daemon RSS: {rss_at_limit} KiB at the limit, {rss_over} KiB after {LIMIT} refused; \
+         live heap: {heap_idle} B idle, {heap_at_limit} B at the limit, {heap_over} B after"
+    );
     assert!(
         rss_over < rss_at_limit + 4 * 1024,
         "refused connections cost memory: {rss_at_limit} KiB -> {rss_over} KiB"
+    );
+    // The allocator's count moves with the connections held, not with those refused.
+    assert!(
+        heap_at_limit > heap_idle + (LIMIT * 100) as f64,
+        "{LIMIT} connections held: live heap {heap_idle} B -> {heap_at_limit} B"
+    );
+    assert!(
+        heap_over < heap_at_limit + 64.0 * 1024.0,
+        "refused connections left heap allocated: {heap_at_limit} B -> {heap_over} B"
     );
     for (i, c) in active.iter_mut().enumerate() {
         let ping = format!("still here {i}");
