@@ -111,7 +111,7 @@ pub struct Soak {
     pub replay: Option<u64>,
     /// tc's netem parameters for loopback while the soak runs, e.g. "delay 1ms 1ms loss
     /// 1% duplicate 1%": delay, jitter (which reorders), loss and duplication on every
-    /// packet of the run. Needs the kernel's sch_netem (`cargo xtask kernels` runs it
+    /// packet of the run but resets (TCP never sends a lost one again). Needs the kernel's sch_netem (`cargo xtask kernels` runs it
     /// in Debian's kernels).
     #[arg(long)]
     pub netem: Option<String>,

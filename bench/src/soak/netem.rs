@@ -1,6 +1,13 @@
 //! `--netem`: delay, jitter (which reorders), loss and duplication on loopback for the
 //! length of a soak, with `tc qdisc ... netem` (the kernel's sch_netem): every packet of
-//! the run, the rewrite program's and the daemon's own included, meets the impaired path.
+//! the run, the rewrite program's and the daemon's own included, meets the impaired path,
+//! but for resets.
+//!
+//! A reset is never sent again: one lost leaves the other end's socket open until its
+//! idle timeout, on any path, direct TCP's included, and the soak would count that
+//! connection as left open. So loopback gets a `prio` qdisc whose band 1:2 (where the
+//! priomap sends every packet) holds netem, and a u32 filter sends IPv4 TCP segments with
+//! RST set to band 1:1, a plain FIFO: resets go at once, unimpaired.
 
 use std::process::Command;
 
@@ -22,30 +29,34 @@ pub struct Netem {
 
 impl Netem {
     /// Puts netem with `spec` (tc's netem parameters, e.g. `delay 1ms 1ms loss 1%`) on
-    /// the root of loopback, replacing what is there.
+    /// loopback for every packet but resets, replacing the root qdisc that is there.
     pub fn apply(spec: &str) -> anyhow::Result<Netem> {
         let params: Vec<&str> = spec.split_whitespace().collect();
         if params.is_empty() {
             bail!("--netem: no parameters (e.g. \"delay 1ms 1ms loss 1% duplicate 1%\")");
         }
-        // The kernel loads sch_netem on demand where it is a module.
-        let out = Command::new("tc")
-            .args([
-                "qdisc", "replace", "dev", DEV, "root", "netem", "limit", LIMIT,
-            ])
-            .args(&params)
-            .output()
-            .context("running tc (iproute2)")?;
-        if !out.status.success() {
-            bail!(
-                "tc qdisc replace dev {DEV} root netem {spec}: {} (a kernel without \
-                 sch_netem cannot run --netem)",
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
-        }
-        Ok(Netem {
+        // Two bands, every priority mapped to the second (1:2).
+        tc(&[
+            "qdisc", "replace", "dev", DEV, "root", "handle", "1:", "prio", "bands", "2",
+            "priomap", "1", "1", "1", "1", "1", "1", "1", "1", "1", "1", "1", "1", "1", "1", "1",
+            "1",
+        ])?;
+        let netem = Netem {
             spec: spec.to_owned(),
-        })
+        };
+        // The kernel loads sch_netem on demand where it is a module.
+        let mut args = vec![
+            "qdisc", "add", "dev", DEV, "parent", "1:2", "handle", "20:", "netem", "limit", LIMIT,
+        ];
+        args.extend(&params);
+        tc(&args).context("a kernel without sch_netem cannot run --netem")?;
+        // IPv4 (a 20-byte header: IHL 5), TCP, RST set (the flags byte is at 20 + 13).
+        tc(&[
+            "filter", "add", "dev", DEV, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+            "match", "ip", "protocol", "6", "0xff", "match", "u8", "0x05", "0x0f", "at", "0",
+            "match", "u8", "0x04", "0x04", "at", "33", "flowid", "1:1",
+        ])?;
+        Ok(netem)
     }
 
     /// The parameters, as given.
@@ -54,18 +65,27 @@ impl Netem {
     }
 }
 
+/// Runs `tc` with `args`; its error output on failure.
+fn tc(args: &[&str]) -> anyhow::Result<()> {
+    let out = Command::new("tc")
+        .args(args)
+        .output()
+        .context("running tc (iproute2)")?;
+    if !out.status.success() {
+        bail!(
+            "tc {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
 impl Drop for Netem {
     fn drop(&mut self) {
-        match Command::new("tc")
-            .args(["qdisc", "del", "dev", DEV, "root"])
-            .output()
-        {
-            Ok(o) if o.status.success() => {}
-            Ok(o) => eprintln!(
-                "soak: removing netem from {DEV} failed: {}",
-                String::from_utf8_lossy(&o.stderr).trim()
-            ),
-            Err(e) => eprintln!("soak: removing netem from {DEV} failed: {e}"),
+        // The root qdisc takes its bands, their netem and the filter with it.
+        if let Err(e) = tc(&["qdisc", "del", "dev", DEV, "root"]) {
+            eprintln!("soak: removing netem from {DEV}: {e:#}");
         }
     }
 }

@@ -154,18 +154,28 @@ fn pin_to(cpu: usize) {
     nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set).unwrap();
 }
 
+/// The object loaded (its other maps still to take), its entries and the loaded rewrite
+/// program, for a test that runs the program on two CPUs at once.
+fn for_two_cpus() -> (
+    aya::Ebpf,
+    HashMap<MapData, RewriteKey, Rewrite>,
+    std::os::fd::OwnedFd,
+) {
+    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+    assert!(cpus >= 2, "needs two CPUs, has {cpus}");
+    let mut loaded = EbpfLoader::new().load(OBJECT).unwrap();
+    let map = HashMap::try_from(loaded.take_map(REWRITES_MAP).unwrap()).unwrap();
+    let fd = load_rewrite(&mut loaded);
+    (loaded, map, fd)
+}
+
 /// Two CPUs run the program on the same segments of one direction, in step: each
 /// segment's bytes are counted once, however the two runs interleave. (A plain
 /// read-modify-write of `next_seq` and `bytes` counts a segment twice whenever both CPUs
 /// read the old `next_seq` before either wrote the new one.)
 #[test]
 fn concurrent_runs_count_each_byte_once() {
-    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
-    assert!(cpus >= 2, "needs two CPUs, has {cpus}");
-    let mut loaded = EbpfLoader::new().load(OBJECT).unwrap();
-    let mut map: HashMap<MapData, RewriteKey, Rewrite> =
-        HashMap::try_from(loaded.take_map(REWRITES_MAP).unwrap()).unwrap();
-    let fd = load_rewrite(&mut loaded);
+    let (mut loaded, mut map, fd) = for_two_cpus();
 
     const START: u32 = 0xffff_0000; // wraps past 2^32 halfway
     const SEGMENTS: u32 = 20_000;
@@ -241,12 +251,7 @@ fn tsval_of(frame: &[u8]) -> u32 {
 /// TSvals a million apart, so two learners would differ by about that.
 #[test]
 fn concurrent_first_timestamps_learn_one_clock_offset() {
-    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
-    assert!(cpus >= 2, "needs two CPUs, has {cpus}");
-    let mut loaded = EbpfLoader::new().load(OBJECT).unwrap();
-    let mut map: HashMap<MapData, RewriteKey, Rewrite> =
-        HashMap::try_from(loaded.take_map(REWRITES_MAP).unwrap()).unwrap();
-    let fd = load_rewrite(&mut loaded);
+    let (mut loaded, mut map, fd) = for_two_cpus();
     let mut ports: Array<MapData, u8> =
         Array::try_from(loaded.take_map(REWRITE_PORTS_MAP).unwrap()).unwrap();
     ports.set(15443, PORT_CLIENT_TO, 0).unwrap();
