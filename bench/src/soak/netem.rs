@@ -89,3 +89,19 @@ impl Drop for Netem {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+    use super::*;
+
+    /// A spec with no parameters is refused before loopback is touched (no tc runs).
+    #[test]
+    fn an_empty_spec_is_refused_with_an_example() {
+        for spec in ["", "   "] {
+            let err = Netem::apply(spec).unwrap_err().to_string();
+            assert!(err.contains("--netem: no parameters"), "{err}");
+            assert!(err.contains("delay"), "the message gives an example: {err}");
+        }
+    }
+}
