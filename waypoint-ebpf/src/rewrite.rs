@@ -468,7 +468,10 @@ fn rewrite(ctx: &TcContext) -> Option<RewriteKey> {
         return None;
     }
     let end = seq.wrapping_add(payload);
-    if payload > 0 {
+    // A FIN or a reset lies at the end of what its sender sent: it claims the bytes
+    // before it even when their segment is still in another CPU's backlog (a sender
+    // that migrated), so the end reported below counts every byte the receiver can read.
+    if payload > 0 || h.flags & (FIN | RST) != 0 {
         advance(r, w.next_seq, end);
     }
     // SAFETY: `r` is valid (above); the field is 8-byte aligned (`Rewrite` is `repr(C)`).
