@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use tokio_util::{sync::CancellationToken, task::TaskTracker};
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::{
     admin::{Admin, Api, Readiness},
@@ -153,6 +153,9 @@ impl App {
             dataplane,
             router_metrics,
         ));
+        if config.migrate_requests {
+            migrate_requests();
+        }
         let mss = config.tunnel_mss.map(|m| m.resolve(config.tunnel_addr));
         if let Some(mss) = mss {
             info!(mss, asked = ?config.tunnel_mss, "tunnel listeners advertise at most this MSS");
@@ -282,6 +285,29 @@ fn check_node_ip(config: &Config) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// Turns on `net.ipv4.tcp_migrate_req` (see `Config::migrate_requests`), or says why
+/// not: without it, a rolling update resets the connections still queued on the old
+/// daemon's listeners when it closes them.
+fn migrate_requests() {
+    match crate::sys::enable_request_migration() {
+        Ok(true) => info!(
+            "net.ipv4.tcp_migrate_req turned on: a closing listener's queued connections \
+             move to the next daemon's"
+        ),
+        Ok(false) => debug!("net.ipv4.tcp_migrate_req already on"),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => warn!(
+            "this kernel has no net.ipv4.tcp_migrate_req (Linux 5.14): a restart resets the \
+             connections queued on the old daemon's listeners"
+        ),
+        Err(e) => warn!(
+            error = %e,
+            "net.ipv4.tcp_migrate_req could not be turned on (a read-only /proc/sys? set it \
+             on the node): a restart resets the connections queued on the old daemon's \
+             listeners"
+        ),
+    }
 }
 
 pub async fn run(config: Config) -> anyhow::Result<()> {

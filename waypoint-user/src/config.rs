@@ -330,6 +330,24 @@ pub struct Config {
     #[arg(long, env = "WAYPOINT_PIN_WORKERS")]
     pub pin_workers: bool,
 
+    /// Turn on `net.ipv4.tcp_migrate_req` at start (Linux 5.14 and later; it holds for
+    /// the whole network namespace). A listener that closes then hands the connections
+    /// in its queue (completed by the kernel, or waiting for their first bytes under
+    /// TCP_DEFER_ACCEPT) to another listener of its SO_REUSEPORT group, such as the
+    /// next daemon's in a rolling update, instead of resetting them. Where it cannot be
+    /// written (a read-only /proc/sys, an older kernel) the daemon warns and runs on.
+    /// `=false` leaves the setting alone.
+    #[arg(
+        long,
+        env = "WAYPOINT_MIGRATE_REQUESTS",
+        num_args = 0..=1,
+        require_equals = true,
+        default_value = "true",
+        default_missing_value = "true",
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
+    pub migrate_requests: bool,
+
     /// The largest MSS the tunnel listener advertises to clients (TCP_MAXSEG): a number
     /// of bytes (88 to 32767), or `auto`: the smallest MTU of the node's interfaces that
     /// are up, lo aside, at start, less 40 bytes of IPv4 and TCP headers (60 on an IPv6

@@ -12,8 +12,8 @@ mod reactor;
 mod socket;
 
 pub(crate) use process::{
-    ephemeral_ports, membarrier_global, monotonic_ms, nofile_limit, raise_memlock_limit,
-    raise_nofile_limit,
+    enable_request_migration, ephemeral_ports, membarrier_global, monotonic_ms, nofile_limit,
+    raise_memlock_limit, raise_nofile_limit,
 };
 pub(crate) use reactor::{register, SharedEpoll};
 pub(crate) use socket::{

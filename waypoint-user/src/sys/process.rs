@@ -57,6 +57,21 @@ fn port_range(text: &str) -> io::Result<(u16, u16)> {
     }
 }
 
+/// `net.ipv4.tcp_migrate_req`: whether a closing listener's queued connections move to
+/// another listener of its SO_REUSEPORT group.
+const MIGRATE_REQ: &str = "/proc/sys/net/ipv4/tcp_migrate_req";
+
+/// Turns `net.ipv4.tcp_migrate_req` on in this network namespace. Returns whether it was
+/// off before; NotFound on a kernel without it (before 5.14).
+pub(crate) fn enable_request_migration() -> io::Result<bool> {
+    let now = std::fs::read_to_string(MIGRATE_REQ)?;
+    if now.trim() != "0" {
+        return Ok(false);
+    }
+    std::fs::write(MIGRATE_REQ, "1")?;
+    Ok(true)
+}
+
 /// CLOCK_MONOTONIC in milliseconds, truncated to 32 bits (the clock TCP timestamps
 /// count in).
 pub(crate) fn monotonic_ms() -> io::Result<u32> {
