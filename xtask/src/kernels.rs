@@ -94,7 +94,16 @@ fn test_args(test: &str, k: &Kernel) -> &'static [&'static str] {
             "--exact",
             "auto_takes_the_rewrite_splice_where_the_kernel_loads_it",
         ],
-        ("router", false) => &["--skip", "rewrite_splice", "--skip", "_with_ebpf"],
+        // 5.10 has no net.ipv4.tcp_migrate_req: a restart there resets what is queued on
+        // the old daemon's listeners (README, SIGTERM).
+        ("router", false) => &[
+            "--skip",
+            "rewrite_splice",
+            "--skip",
+            "_with_ebpf",
+            "--skip",
+            "rolling_restarts_refuse_no_new_connection",
+        ],
         _ => &[],
     }
 }
