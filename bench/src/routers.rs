@@ -146,6 +146,8 @@ pub struct Setup<'a> {
     pub nofile: u64,
     /// The waypoint's `RUST_LOG` (`WAYPOINT_BENCH_LOG` overrides it).
     pub log_filter: &'a str,
+    /// More arguments for the waypoint (after the ones the bench sets).
+    pub waypoint_args: &'a [&'a str],
 }
 
 /// A running router (or none, for direct).
@@ -390,6 +392,7 @@ fn waypoint(
         } else {
             &[]
         })
+        .args(setup.waypoint_args)
         .env(
             "RUST_LOG",
             std::env::var("WAYPOINT_BENCH_LOG").unwrap_or_else(|_| setup.log_filter.into()),

@@ -233,6 +233,7 @@ pub fn run(s: &Settings) -> anyhow::Result<(String, Value, bool)> {
         max_connections: n + 1024,
         nofile: nofile as u64,
         log_filter: "warn",
+        waypoint_args: &[],
     };
     let listen = SocketAddr::new(IpAddr::from([127, 0, 0, 1]), free_port()?);
     let mut routers = Vec::new();

@@ -168,6 +168,16 @@ pub fn run(s: &Settings) -> anyhow::Result<bool> {
         // Each connection's path through the dataplane (copy, move, fallback, kernel, the
         // byte counts at its end), for the account of a failed one.
         log_filter: SOAK_LOG,
+        // On the impaired path a SYN or SYN-ACK is lost now and then (1 % each), and TCP
+        // sends the SYN again after 1 s, then 3 s: the default 2 s deadline would fail
+        // the connect to the soak's only pod after two losses in a row (seen once in
+        // some 4,500 connections), which is the deadline doing its job, not the byte
+        // path. 10 s covers three.
+        waypoint_args: if s.netem.is_some() {
+            &["--connect-timeout", "10s"]
+        } else {
+            &[]
+        },
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -169,6 +169,7 @@ pub fn run(s: Settings, servers: &Servers) -> anyhow::Result<Run> {
         max_connections: s.idle_conns + 1024,
         nofile: s.nofile,
         log_filter: "warn",
+        waypoint_args: &[],
     };
     // The memory runs start second instances: their configs, pid files and logs go apart.
     let mem_dir = s.work.join("memory");
