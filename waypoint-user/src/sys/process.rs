@@ -64,11 +64,16 @@ const MIGRATE_REQ: &str = "/proc/sys/net/ipv4/tcp_migrate_req";
 /// Turns `net.ipv4.tcp_migrate_req` on in this network namespace. Returns whether it was
 /// off before; NotFound on a kernel without it (before 5.14).
 pub(crate) fn enable_request_migration() -> io::Result<bool> {
-    let now = std::fs::read_to_string(MIGRATE_REQ)?;
+    switch_on(std::path::Path::new(MIGRATE_REQ))
+}
+
+/// Writes 1 to a boolean setting at `path` that reads 0; whether it did.
+fn switch_on(path: &std::path::Path) -> io::Result<bool> {
+    let now = std::fs::read_to_string(path)?;
     if now.trim() != "0" {
         return Ok(false);
     }
-    std::fs::write(MIGRATE_REQ, "1")?;
+    std::fs::write(path, "1")?;
     Ok(true)
 }
 
@@ -113,5 +118,22 @@ mod tests {
         }
         // This machine's own range reads.
         assert!(ephemeral_ports().is_ok());
+    }
+
+    #[test]
+    fn a_setting_is_switched_on_once_and_a_missing_one_says_so() {
+        let dir = std::env::temp_dir().join(format!("waypoint-switch-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("tcp_migrate_req");
+        std::fs::write(&path, "0\n").unwrap();
+        assert!(switch_on(&path).unwrap(), "off: turned on");
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "1");
+        assert!(!switch_on(&path).unwrap(), "on already: left alone");
+        std::fs::write(&path, "2\n").unwrap();
+        assert!(!switch_on(&path).unwrap(), "another value: left alone");
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "2\n");
+        let e = switch_on(&dir.join("absent")).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::NotFound, "a kernel without it");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
