@@ -64,7 +64,7 @@ pub(super) fn node_linger_limit() -> usize {
 }
 
 /// An ended connection whose entries linger ([`LINGER`]) until [`Rewriter::sweep`]
-/// removes them; B closes silently when it drops (also when the rewriter goes first).
+/// removes them, or the rewriter goes; B closes silently when it drops.
 pub(super) struct Lingering {
     pub(super) due: Instant,
     pub(super) entries: Entries,
@@ -116,6 +116,14 @@ impl Rewriter {
             }
             queue.drain(..over + cut).collect()
         };
+        self.end_lingering(due);
+    }
+
+    /// Removes the entries of `due`, then closes their B (silently): in that order,
+    /// because a closed B frees its port for the next dial to the same pod, whose
+    /// packets would otherwise still match the entries and be rewritten into the old
+    /// client's conversation.
+    fn end_lingering(&self, due: Vec<Lingering>) {
         if due.is_empty() {
             return;
         }
@@ -133,5 +141,16 @@ impl Rewriter {
         self.live.fetch_sub(due.len() as u64, Relaxed);
         // Each B closes silently as it drops.
         drop(due);
+    }
+}
+
+impl Drop for Rewriter {
+    /// The program may outlive the rewriter for a while (it goes with the dataplane's
+    /// other parts, or with the process): the lingering connections' entries go before
+    /// their B frees its port (see [`Rewriter::end_lingering`]). Under a rolling restart
+    /// the next daemon dials the same pod from those ports at once.
+    fn drop(&mut self) {
+        let all = std::mem::take(&mut *lock(&self.lingering));
+        self.end_lingering(all.into());
     }
 }

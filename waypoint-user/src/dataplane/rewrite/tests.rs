@@ -100,6 +100,32 @@ fn the_sweep_cuts_the_oldest_lingers_beyond_the_limit() {
     assert_eq!(r.counts().lingers_cut, 3);
 }
 
+/// When the rewriter goes, the lingering connections' entries go before their B
+/// frees its port: the program outlives the rewriter (for a moment, or while the next
+/// daemon's dials reuse those ports), and would rewrite a new dial's packets into the
+/// old conversation. Needs root; never skipped.
+#[test]
+fn lingering_entries_go_before_their_ports_when_the_rewriter_goes() {
+    let dp = loaded();
+    let r = dp.rewriter().expect("the rewrite splice is on");
+    let far = Instant::now() + Duration::from_secs(60);
+    for i in 0..3u32 {
+        let b = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        linger(r, i, far, true, b.into());
+    }
+    // The map as the program holds it, past the dataplane's drop.
+    let id = lock(&r.map).map().info().unwrap().id();
+    let map: HashMap<MapData, RewriteKey, Rewrite> =
+        HashMap::try_from(aya::maps::Map::HashMap(MapData::from_id(id).unwrap())).unwrap();
+    assert_eq!(map.keys().count(), 6);
+    drop(dp);
+    assert_eq!(
+        map.keys().count(),
+        0,
+        "the lingering connections' entries outlived their B"
+    );
+}
+
 #[test]
 fn the_linger_limit_is_a_quarter_of_ports_and_descriptors() {
     // The kernel's default range, and a limit of open files raised high.
