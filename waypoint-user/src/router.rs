@@ -430,6 +430,16 @@ impl Router {
             let kill = kill.clone();
             tracker.spawn(router.handle(stream, peer, pending, kill).instrument(span));
         }
+        // One listener closes at a time in this process. A closing listener hands the
+        // connections queued on it to another open listener of the port
+        // (tcp_migrate_req), possibly this daemon's next worker's; the kernel resets a
+        // connection handed to a listener that stopped listening meanwhile (counted as
+        // TCPMigrateReqFailure). One at a time, the queue moves on from worker to worker
+        // until it reaches the next daemon's listeners.
+        static CLOSING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let one_at_a_time = CLOSING.lock().unwrap_or_else(|p| p.into_inner());
+        drop(listener);
+        drop(one_at_a_time);
         info!("tunnel listener stopped accepting");
     }
 
