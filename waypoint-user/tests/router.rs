@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use common::{
     daemon::{
-        echo_pod, endpoint, sample, spawn, spawn_with_fd_limit, start, status, try_start,
+        echo_pod, endpoint, sample, spawn, spawn_on, spawn_with_fd_limit, start, status, try_start,
         EndpointsFile,
     },
     hello::{fixture, with_server_name},
@@ -1080,14 +1080,28 @@ async fn overlapping_restart_binds_the_same_ports() {
 /// the daemon turns on); without it the kernel resets them, 1 or 2 of some 27,000
 /// connections here in 2 of 3 runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn rolling_restarts_refuse_no_new_connection() {
+async fn rolling_restarts_refuse_no_new_connection_with_splice() {
+    rolling_restarts_refuse_no_new_connection("splice", "127.1.9.1", "127.1.9.254").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rolling_restarts_refuse_no_new_connection_with_auto() {
+    rolling_restarts_refuse_no_new_connection("auto", "127.1.9.2", "127.1.9.253").await;
+}
+
+/// Four clients open connections in a loop (hello, payload, the echo checked) while the
+/// daemon is restarted three times as a rolling update does it: a new process binds the
+/// same tunnel port (SO_REUSEPORT), then the old one gets SIGTERM, drains and exits.
+/// Processes of their own, as on a node: each its own descriptors, and an exit that
+/// releases what the old one held at once.
+async fn rolling_restarts_refuse_no_new_connection(dataplane: &str, pod_ip: &str, ip: &str) {
     const OPENERS: usize = 4;
-    let _pod = echo_pod("127.1.5.2", 15008).await;
-    let file = reviews_at("127.1.5.2");
-    let args = ["--dataplane", "splice", "--workers", "2"];
-    let mut daemon = start(&file, &args).await;
-    let (tunnel, admin) = (daemon.tunnel_addr, daemon.admin_addr);
-    let (tunnel_s, admin_s) = (tunnel.to_string(), admin.to_string());
+    let _pod = echo_pod(pod_ip, 15008).await;
+    let file = reviews_at(pod_ip);
+    let args = ["--dataplane", dataplane, "--workers", "2"];
+    let tunnel: std::net::SocketAddr = format!("{ip}:15443").parse().unwrap();
+    let admin = |n: u16| format!("{ip}:{}", 15021 + n).parse().unwrap();
+    let mut daemon = spawn_on(&file, tunnel, admin(0), &args, None).await;
     let hello = hello_for("8080.reviews.bookinfo.mesh.local");
 
     let stop = tokio_util::sync::CancellationToken::new();
@@ -1102,8 +1116,11 @@ async fn rolling_restarts_refuse_no_new_connection() {
                         break;
                     }
                     let payload = format!("opener {i} connection {n}");
+                    // The client's port, to find the connection in a capture.
+                    let mut port = None;
                     let attempt = async {
                         let mut c = TcpStream::connect(tunnel).await?;
+                        port = c.local_addr().ok().map(|a| a.port());
                         c.write_all(&hello).await?;
                         c.write_all(payload.as_bytes()).await?;
                         let mut back = vec![0u8; hello.len() + payload.len()];
@@ -1113,10 +1130,12 @@ async fn rolling_restarts_refuse_no_new_connection() {
                         }
                         Ok::<_, std::io::Error>(())
                     };
-                    match tokio::time::timeout(WAIT, attempt).await {
+                    let result = tokio::time::timeout(WAIT, attempt).await;
+                    let from = format!("{payload} (port {port:?})");
+                    match result {
                         Ok(Ok(())) => ok += 1,
-                        Ok(Err(e)) => failed.push(format!("{payload}: {e}")),
-                        Err(_) => failed.push(format!("{payload}: no echo in {WAIT:?}")),
+                        Ok(Err(e)) => failed.push(format!("{from}: {e}")),
+                        Err(_) => failed.push(format!("{from}: no echo in {WAIT:?}")),
                     }
                 }
                 (ok, failed)
@@ -1124,19 +1143,12 @@ async fn rolling_restarts_refuse_no_new_connection() {
         })
         .collect();
 
-    for _ in 0..3 {
+    for n in 1..=3 {
         tokio::time::sleep(Duration::from_millis(300)).await;
-        let next = start(
-            &file,
-            &[
-                &args[..],
-                &["--tunnel-addr", &tunnel_s, "--admin-addr", &admin_s],
-            ]
-            .concat(),
-        )
-        .await;
+        let next = spawn_on(&file, tunnel, admin(n), &args, None).await;
         tokio::time::sleep(Duration::from_millis(300)).await;
-        daemon.shutdown().await;
+        let status = daemon.terminate().await;
+        assert!(status.success(), "the old daemon's exit: {status}");
         daemon = next;
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -1148,7 +1160,7 @@ async fn rolling_restarts_refuse_no_new_connection() {
         failed.extend(f);
     }
     println!(
-        "{ok} connections across three restarts, {} failed",
+        "{dataplane}: {ok} connections across three restarts, {} failed",
         failed.len()
     );
     assert!(
@@ -1159,5 +1171,6 @@ async fn rolling_restarts_refuse_no_new_connection() {
         &failed[..failed.len().min(10)]
     );
     assert!(ok > 100, "the openers ran ({ok} connections)");
-    daemon.shutdown().await;
+    let status = daemon.terminate().await;
+    assert!(status.success(), "the last daemon's exit: {status}");
 }

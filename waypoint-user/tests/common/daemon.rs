@@ -176,6 +176,25 @@ impl Process {
     }
 }
 
+impl Process {
+    /// SIGTERM, as the kubelet sends, and waits (at most 60 s) for the drain and the exit.
+    pub async fn terminate(mut self) -> std::process::ExitStatus {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the waypoint process did not exit within 60 s of SIGTERM"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
+}
+
 impl Drop for Process {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -196,9 +215,21 @@ pub async fn spawn_with_fd_limit(
     args: &[&str],
     nofile: Option<u64>,
 ) -> Process {
-    use std::os::unix::process::CommandExt as _;
     let tunnel_addr: SocketAddr = format!("{ip}:15443").parse().unwrap();
     let admin_addr: SocketAddr = format!("{ip}:15021").parse().unwrap();
+    spawn_on(file, tunnel_addr, admin_addr, args, nofile).await
+}
+
+/// [`spawn`] on these addresses. A second process on the same tunnel address shares it
+/// (SO_REUSEPORT), as in a rolling update; its own admin address tells when it is ready.
+pub async fn spawn_on(
+    file: &EndpointsFile,
+    tunnel_addr: SocketAddr,
+    admin_addr: SocketAddr,
+    args: &[&str],
+    nofile: Option<u64>,
+) -> Process {
+    use std::os::unix::process::CommandExt as _;
     let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_waypoint"));
     if let Some(n) = nofile {
         // SAFETY: setrlimit is async-signal-safe, and the closure touches nothing else.
