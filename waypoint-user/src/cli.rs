@@ -1,6 +1,7 @@
 //! The operator tools: `waypoint resolve` (the split-horizon view of a service port, read
-//! straight from the registry) and `waypoint registry put|list|delete` (records by hand,
-//! for workloads outside Kubernetes and for labs).
+//! straight from the registry), `waypoint registry put|list|delete` (records by hand,
+//! for workloads outside Kubernetes and for labs) and `waypoint prepare-node` (the node's
+//! kernel settings a container cannot write).
 
 use std::{io::Write as _, net::IpAddr};
 
@@ -468,6 +469,31 @@ pub async fn registry(cmd: RegistryCommand) -> anyhow::Result<()> {
                 total += etcd::delete(&mut client, key, args.prefix).await?;
             }
             writeln!(stdout, "deleted {total}")?;
+        }
+    }
+    Ok(())
+}
+
+/// Runs `waypoint prepare-node`: turns on `net.ipv4.tcp_migrate_req` in this network
+/// namespace (the host's, for the host-network DaemonSet), which the daemon's container
+/// cannot write (its /proc/sys is read-only) and without which a rolling update resets
+/// the connections queued on the old daemon's listeners. A kernel without the setting
+/// (before 5.14) is said, not an error: there is nothing to turn on.
+pub fn prepare_node() -> anyhow::Result<()> {
+    let mut stdout = std::io::stdout();
+    match crate::sys::enable_request_migration() {
+        Ok(true) => writeln!(stdout, "net.ipv4.tcp_migrate_req: turned on")?,
+        Ok(false) => writeln!(stdout, "net.ipv4.tcp_migrate_req: already on")?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => writeln!(
+            stdout,
+            "net.ipv4.tcp_migrate_req: this kernel has none (Linux 5.14 added it); a \
+             rolling update resets the connections queued on the old daemon's listeners"
+        )?,
+        Err(e) => {
+            return Err(e).context(
+                "turning on net.ipv4.tcp_migrate_req (/proc/sys/net/ipv4/tcp_migrate_req): \
+                 run privileged, in the host network",
+            )
         }
     }
     Ok(())

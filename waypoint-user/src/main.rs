@@ -38,6 +38,11 @@ enum Command {
     /// Manage registry records by hand (workloads outside Kubernetes, labs).
     #[command(subcommand)]
     Registry(waypoint::cli::RegistryCommand),
+    /// Turn on the node's kernel settings that the daemon's container cannot write:
+    /// net.ipv4.tcp_migrate_req, so that a rolling update hands the connections queued
+    /// on the old daemon's listeners to the new one. Run privileged in the host network
+    /// (the DaemonSet's init container).
+    PrepareNode,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -49,5 +54,6 @@ fn main() -> anyhow::Result<()> {
         Command::Resolve(args) => runtime.block_on(waypoint::cli::resolve(args)),
         Command::EnvoyConfig(args) => runtime.block_on(waypoint::cli::envoy_config(*args)),
         Command::Registry(cmd) => runtime.block_on(waypoint::cli::registry(cmd)),
+        Command::PrepareNode => waypoint::cli::prepare_node(),
     }
 }

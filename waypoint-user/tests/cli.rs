@@ -210,3 +210,43 @@ fn resolve_takes_the_service_port_and_dials_the_pod_port() {
         "{stderr}"
     );
 }
+
+/// `prepare-node` turns tcp_migrate_req on in its network namespace, and says so; run
+/// again it finds it on. A namespace of the test's own, whose setting starts off (the
+/// kernel's default), so that the host's stays as it is. Needs root; never skipped.
+#[test]
+fn prepare_node_turns_request_migration_on() {
+    assert!(nix::unistd::geteuid().is_root(), "needs root (ip netns)");
+    let ns = format!("wp-cli-{}", std::process::id());
+    let ip = |args: &[&str]| {
+        let out = Command::new("ip").args(args).output().expect("ip runs");
+        assert!(out.status.success(), "ip {args:?}: {out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    ip(&["netns", "add", &ns]);
+    struct Delete(String);
+    impl Drop for Delete {
+        fn drop(&mut self) {
+            let _ = Command::new("ip")
+                .args(["netns", "delete", &self.0])
+                .status();
+        }
+    }
+    let _delete = Delete(ns.clone());
+    let setting = || {
+        ip(&[
+            "netns",
+            "exec",
+            &ns,
+            "cat",
+            "/proc/sys/net/ipv4/tcp_migrate_req",
+        ])
+    };
+    assert_eq!(setting().trim(), "0", "a new namespace starts with it off");
+    let bin = env!("CARGO_BIN_EXE_waypoint");
+    let first = ip(&["netns", "exec", &ns, bin, "prepare-node"]);
+    assert_eq!(first.trim(), "net.ipv4.tcp_migrate_req: turned on");
+    assert_eq!(setting().trim(), "1");
+    let again = ip(&["netns", "exec", &ns, bin, "prepare-node"]);
+    assert_eq!(again.trim(), "net.ipv4.tcp_migrate_req: already on");
+}

@@ -212,6 +212,23 @@ fn daemonset_runs_privileged_enough_and_no_more() {
     assert!(config_from_env(&vars).capabilities().contains("NET_RAW"));
     // No host ports: the surge pod of a rolling update must be schedulable.
     assert!(c.ports.is_none());
+
+    // The one privileged part: the init container that writes the node's
+    // tcp_migrate_req, with the daemon's own image and a subcommand it has.
+    let init = spec.init_containers.clone().unwrap_or_default();
+    assert_eq!(init.len(), 1, "one init container");
+    let prepare = &init[0];
+    assert_eq!(prepare.image, c.image);
+    assert_eq!(prepare.args, Some(vec!["prepare-node".to_owned()]));
+    assert_eq!(
+        prepare.security_context.as_ref().and_then(|s| s.privileged),
+        Some(true)
+    );
+    let help = std::process::Command::new(env!("CARGO_BIN_EXE_waypoint"))
+        .args(["prepare-node", "--help"])
+        .output()
+        .unwrap();
+    assert!(help.status.success(), "waypoint prepare-node: {help:?}");
 }
 
 #[test]
