@@ -1131,7 +1131,8 @@ async fn rewritten_echo(dp: Arc<Dataplane>, e: &ebpf::Ebpf) {
 /// A lossy path both ways (3 % of the packets reaching the client and the pod dropped,
 /// by nft): 32 MiB echoed intact, and the ends recovered on rewritten numbers: each
 /// sender recovered with SACK blocks and discarded none as outside its window (untranslated
-/// SACK edges would be), and neither end dropped a segment for an old timestamp.
+/// SACK edges would be), and neither end dropped more than the path's odd segment for an
+/// old timestamp.
 #[test]
 fn a_lossy_path_recovers_with_rewritten_sack_blocks() {
     const TOTAL: u64 = 32 * 1024 * 1024;
@@ -1173,10 +1174,17 @@ fn a_lossy_path_recovers_with_rewritten_sack_blocks() {
             );
             assert!(n("TCPSackRecovery") > 0, "{end} recovered with SACK blocks");
             assert_eq!(n("TCPSACKDiscard"), 0, "{end} discarded SACK blocks");
-            assert_eq!(
-                n("PAWSEstab"),
-                0,
-                "{end} dropped segments for their timestamps"
+            // Timestamps translated with two clock offsets would have the receiver drop
+            // the segments of the smaller one again and again. One or two drops are the
+            // path's: a segment held in one CPU's backlog while a later one, sent 2 ms
+            // or more afterwards by a sender that moved to the other CPU, goes first
+            // (seen in a 2-vCPU TCG guest: 1 of some 25,000 segments). The race of two
+            // first packets over the offset has its own test
+            // (`concurrent_first_timestamps_learn_one_clock_offset`).
+            assert!(
+                n("PAWSEstab") <= 2,
+                "{end} dropped {} segments for their timestamps",
+                n("PAWSEstab")
             );
         }
     });
