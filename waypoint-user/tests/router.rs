@@ -1174,3 +1174,80 @@ async fn rolling_restarts_refuse_no_new_connection(dataplane: &str, pod_ip: &str
     let status = daemon.terminate().await;
     assert!(status.success(), "the last daemon's exit: {status}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_daemon_closes_both_ends_with_ebpf() {
+    let ends = killed_mid_connection("ebpf", "127.1.11.1", "127.1.11.251").await;
+    ends.assert_both_closed();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_daemon_closes_both_ends_with_splice() {
+    let ends = killed_mid_connection("splice", "127.1.11.2", "127.1.11.252").await;
+    ends.assert_both_closed();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_daemon_closes_both_ends_with_copy() {
+    let ends = killed_mid_connection("copy", "127.1.11.3", "127.1.11.253").await;
+    ends.assert_both_closed();
+}
+
+/// How each end's read went after the kill and a write: Some (EOF, or an error such as
+/// a reset) if the connection ended within [`WAIT`], None if it was still open.
+#[derive(Debug)]
+struct Ends {
+    client: Option<std::io::Result<usize>>,
+    pod: Option<std::io::Result<usize>>,
+}
+
+impl Ends {
+    fn assert_both_closed(&self) {
+        for (end, read) in [("client", &self.client), ("pod", &self.pod)] {
+            assert!(
+                matches!(read, Some(Ok(0) | Err(_))),
+                "{end}: the connection of a killed daemon is still open: {self:?}"
+            );
+        }
+    }
+}
+
+/// A connection through a daemon process that is killed (SIGKILL) in the middle of a
+/// ping-pong; then each end writes and reads once, as a peer with more to say does.
+/// (Not under `auto`: README, "What a restart or a crash keeps".)
+async fn killed_mid_connection(dataplane: &str, pod_ip: &str, ip: &str) -> Ends {
+    let pod = tokio::net::TcpListener::bind(format!("{pod_ip}:15008"))
+        .await
+        .unwrap();
+    let file = reviews_at(pod_ip);
+    let tunnel: std::net::SocketAddr = format!("{ip}:15443").parse().unwrap();
+    let admin: std::net::SocketAddr = format!("{ip}:15021").parse().unwrap();
+    let daemon = spawn_on(&file, tunnel, admin, &["--dataplane", dataplane], None).await;
+    let hello = hello_for("8080.reviews.bookinfo.mesh.local");
+    let mut c = TcpStream::connect(tunnel).await.unwrap();
+    c.write_all(&hello).await.unwrap();
+    let (mut p, _) = tokio::time::timeout(WAIT, pod.accept())
+        .await
+        .unwrap()
+        .unwrap();
+    let mut got = vec![0u8; hello.len()];
+    p.read_exact(&mut got).await.unwrap();
+    assert_eq!(got, hello);
+    // Both ways, past any hand-over to the kernel.
+    for _ in 0..20 {
+        let mut b = [0u8; 4];
+        c.write_all(b"ping").await.unwrap();
+        p.read_exact(&mut b).await.unwrap();
+        p.write_all(b"pong").await.unwrap();
+        c.read_exact(&mut b).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    drop(daemon); // SIGKILL, and waits for the exit.
+    let mut b = [0u8; 16];
+    // A write may fail already (a reset came in): the read then says how it ended.
+    let _ = c.write_all(b"after").await;
+    let client = tokio::time::timeout(WAIT, c.read(&mut b)).await.ok();
+    let _ = p.write_all(b"after").await;
+    let pod = tokio::time::timeout(WAIT, p.read(&mut b)).await.ok();
+    Ends { client, pod }
+}
