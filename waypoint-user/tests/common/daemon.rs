@@ -174,9 +174,7 @@ impl Process {
             .unwrap()
             .count()
     }
-}
 
-impl Process {
     /// SIGTERM, as the kubelet sends, and waits (at most 60 s) for the drain and the exit.
     pub async fn terminate(mut self) -> std::process::ExitStatus {
         let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
