@@ -249,4 +249,28 @@ fn prepare_node_turns_request_migration_on() {
     assert_eq!(setting().trim(), "1");
     let again = ip(&["netns", "exec", &ns, bin, "prepare-node"]);
     assert_eq!(again.trim(), "net.ipv4.tcp_migrate_req: already on");
+
+    // A read-only /proc/sys (an unprivileged container's), with the setting off: a
+    // clear error and a failed exit, so that the init container's failure shows.
+    let off = Command::new("ip")
+        .args(["netns", "exec", &ns, "sh", "-c"])
+        .arg("echo 0 > /proc/sys/net/ipv4/tcp_migrate_req")
+        .status()
+        .unwrap();
+    assert!(off.success());
+    let read_only = Command::new("ip")
+        .args(["netns", "exec", &ns, "unshare", "--mount", "sh", "-c"])
+        .arg(format!(
+            "mount --bind /proc/sys /proc/sys && mount -o remount,bind,ro /proc/sys && \
+             exec {bin} prepare-node"
+        ))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&read_only.stderr);
+    assert!(!read_only.status.success(), "{read_only:?}");
+    assert!(
+        stderr.contains("turning on net.ipv4.tcp_migrate_req") && stderr.contains("privileged"),
+        "{stderr}"
+    );
+    assert_eq!(setting().trim(), "0", "left as it was");
 }
