@@ -22,6 +22,7 @@ pub mod ebpf;
 mod established;
 mod flows;
 pub mod links;
+mod orphans;
 mod park;
 #[cfg(test)]
 mod program_runs;

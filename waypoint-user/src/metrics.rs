@@ -314,6 +314,15 @@ impl Collector for DataplaneCollector {
                 )?;
                 single(
                     &mut encoder,
+                    "rewrite_unacknowledged",
+                    "Rewritten connections whose waypoint socket to the pod still waits for \
+                     the pod to acknowledge the hello; it goes into repair mode once the pod \
+                     has, so that a killed daemon's socket closes without a FIN (most do at \
+                     the hand-over)",
+                    gauge(counts.unacknowledged),
+                )?;
+                single(
+                    &mut encoder,
                     "rewrite_recorded",
                     "Connections rewritten whose sequence numbers came from the \
                      kernel's records of their handshakes; the rest were read with socket \

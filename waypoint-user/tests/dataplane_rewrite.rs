@@ -1036,40 +1036,6 @@ fn without_tcx_the_program_sits_on_clsact_qdiscs_the_daemon_adds() {
     common::require_root();
     nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).expect("unshare(CLONE_NEWNET)");
     ip(&["link", "set", "lo", "up"]);
-    let load_netlink = || {
-        let e = Arc::new(
-            ebpf::Ebpf::load(ebpf::Config {
-                move_after: 0,
-                rewrite_splice: true,
-                hooks: ebpf::Hooks {
-                    tc_netlink: true,
-                    ..ebpf::Hooks::default()
-                },
-                ..ebpf::Config::default()
-            })
-            .expect("the rewrite program attaches through netlink"),
-        );
-        (Arc::new(Dataplane::Ebpf(e.clone())), e)
-    };
-    let clsact_on_lo = || {
-        let out = std::process::Command::new("tc")
-            .args(["qdisc", "show", "dev", "lo"])
-            .output()
-            .unwrap();
-        assert!(out.status.success());
-        String::from_utf8_lossy(&out.stdout).contains("clsact")
-    };
-    let ingress_filters_on_lo = || {
-        let out = std::process::Command::new("tc")
-            .args(["filter", "show", "dev", "lo", "ingress"])
-            .output()
-            .unwrap();
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            // A filter's line with its handle (tc shows its chain on a line before).
-            .filter(|l| l.contains(" bpf ") && l.contains(" handle "))
-            .count()
-    };
     assert!(!clsact_on_lo(), "a new namespace has no clsact qdisc");
     // A runtime per connection: dropped, it drops the proxy's task, and with it the
     // task's handle on the dataplane.
@@ -1105,6 +1071,96 @@ fn without_tcx_the_program_sits_on_clsact_qdiscs_the_daemon_adds() {
     drop(_dp);
     drop(c);
     assert!(!clsact_on_lo(), "the daemon removed the qdisc it added");
+}
+
+/// A dataplane whose rewrite program is attached through netlink (see
+/// [`without_tcx_the_program_sits_on_clsact_qdiscs_the_daemon_adds`]).
+fn load_netlink() -> (Arc<Dataplane>, Arc<ebpf::Ebpf>) {
+    let e = Arc::new(
+        ebpf::Ebpf::load(ebpf::Config {
+            move_after: 0,
+            rewrite_splice: true,
+            hooks: ebpf::Hooks {
+                tc_netlink: true,
+                ..ebpf::Hooks::default()
+            },
+            ..ebpf::Config::default()
+        })
+        .expect("the rewrite program attaches through netlink"),
+    );
+    (Arc::new(Dataplane::Ebpf(e.clone())), e)
+}
+
+fn clsact_on_lo() -> bool {
+    let out = std::process::Command::new("tc")
+        .args(["qdisc", "show", "dev", "lo"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    String::from_utf8_lossy(&out.stdout).contains("clsact")
+}
+
+fn ingress_filters_on_lo() -> usize {
+    let out = std::process::Command::new("tc")
+        .args(["filter", "show", "dev", "lo", "ingress"])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        // A filter's line with its handle (tc shows its chain on a line before).
+        .filter(|l| l.contains(" bpf ") && l.contains(" handle "))
+        .count()
+}
+
+/// Set in the child process of
+/// [`without_tcx_the_next_daemon_removes_the_filter_a_killed_one_left`].
+const KILLED_CHILD: &str = "WAYPOINT_TEST_KILLED_DAEMON";
+
+/// A netlink filter outlives the daemon that added it when that daemon is killed with
+/// SIGKILL (no destructor runs), and so do its entries: the next daemon removes it
+/// before it attaches its own, and then rewrites through its own. A live daemon's filter
+/// it leaves (the test above: two daemons side by side). The killed daemon is this test
+/// binary run again, as a child, in this test's network namespace.
+#[test]
+fn without_tcx_the_next_daemon_removes_the_filter_a_killed_one_left() {
+    common::require_root();
+    if std::env::var_os(KILLED_CHILD).is_some() {
+        let _kept = load_netlink();
+        println!("ready");
+        // Killed long before this.
+        std::thread::sleep(Duration::from_secs(60));
+        return;
+    }
+    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).expect("unshare(CLONE_NEWNET)");
+    ip(&["link", "set", "lo", "up"]);
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "without_tcx_the_next_daemon_removes_the_filter_a_killed_one_left",
+            "--exact",
+            "--nocapture",
+        ])
+        .env(KILLED_CHILD, "1")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let ready = std::io::BufRead::lines(std::io::BufReader::new(stdout))
+        .map_while(Result::ok)
+        .any(|l| l == "ready");
+    assert!(ready, "the child attached its filter");
+    assert_eq!(ingress_filters_on_lo(), 1);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert_eq!(ingress_filters_on_lo(), 1, "the filter outlives its daemon");
+    let (dp, e) = load_netlink();
+    assert_eq!(
+        ingress_filters_on_lo(),
+        1,
+        "the killed daemon's filter went, and the next one's is on"
+    );
+    runtime().block_on(rewritten_echo(dp, &e));
+    drop(e);
+    assert_eq!(ingress_filters_on_lo(), 0);
 }
 
 /// One connection over `lo`, rewritten: 200 echoes and a close.

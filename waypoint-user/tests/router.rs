@@ -72,6 +72,16 @@ async fn until_at_least(admin: std::net::SocketAddr, series: &str, min: f64, wha
     tokio::time::timeout(WAIT, reached).await.expect(what);
 }
 
+/// Waits (at most `WAIT`, else panics with `what`) until `series` is `value`.
+async fn until_sample(admin: std::net::SocketAddr, series: &str, value: f64, what: &str) {
+    let reached = async {
+        while sample(admin, series).await != value {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(WAIT, reached).await.expect(what);
+}
+
 /// Waits (at most `WAIT`) until connecting to `tunnel` is refused: no listener left.
 async fn until_refused(tunnel: std::net::SocketAddr) {
     let refused = async {
@@ -1177,20 +1187,97 @@ async fn rolling_restarts_refuse_no_new_connection(dataplane: &str, pod_ip: &str
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_daemon_closes_both_ends_with_ebpf() {
-    let ends = killed_mid_connection("ebpf", "127.1.11.1", "127.1.11.251").await;
+    let ends = killed_mid_connection(
+        &["--dataplane", "ebpf"],
+        "127.1.11.1",
+        "127.1.11.251",
+        false,
+    )
+    .await;
     ends.assert_both_closed();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_daemon_closes_both_ends_with_splice() {
-    let ends = killed_mid_connection("splice", "127.1.11.2", "127.1.11.252").await;
+    let ends = killed_mid_connection(
+        &["--dataplane", "splice"],
+        "127.1.11.2",
+        "127.1.11.252",
+        false,
+    )
+    .await;
     ends.assert_both_closed();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_daemon_closes_both_ends_with_copy() {
-    let ends = killed_mid_connection("copy", "127.1.11.3", "127.1.11.253").await;
+    let ends = killed_mid_connection(
+        &["--dataplane", "copy"],
+        "127.1.11.3",
+        "127.1.11.253",
+        false,
+    )
+    .await;
     ends.assert_both_closed();
+}
+
+/// Under `auto` the connection is rewritten: no socket of the daemon's carries it. The
+/// daemon's socket to the pod must close without a FIN (it is in repair mode by then), and
+/// nothing of the dead daemon may rewrite packets once the next daemon has started (before
+/// Linux 6.6 the program is a netlink filter, which outlives its process): each end's next
+/// packet is then answered with a reset.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_daemon_closes_both_ends_with_auto() {
+    let ends = killed_mid_connection(
+        &["--dataplane", "auto"],
+        "127.1.11.4",
+        "127.1.11.254",
+        false,
+    )
+    .await;
+    ends.assert_both_closed();
+}
+
+/// As above, with a pod whose acknowledgement of the hello comes late (its pure ACKs
+/// dropped for a while): the daemon's socket to the pod goes into repair mode once the
+/// hello is acknowledged, at a later look than the hand-over's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_daemon_closes_both_ends_with_rewrite_splice_after_a_late_ack() {
+    let args = ["--dataplane", "ebpf", "--rewrite-splice"];
+    let ends = killed_mid_connection(&args, "127.1.11.5", "127.1.11.250", true).await;
+    ends.assert_both_closed();
+}
+
+/// Drops the pure ACKs a pod at `pod_ip` sends from port 15008 (nft, in this
+/// namespace's output hook) until dropped.
+struct DropPodAcks {
+    table: String,
+}
+
+impl DropPodAcks {
+    fn new(pod_ip: &str) -> DropPodAcks {
+        let table = format!("late_ack_{}", pod_ip.replace('.', "_"));
+        let rules = format!(
+            "table ip {table} {{\n chain out {{\n type filter hook output priority 0;\n \
+             ip saddr {pod_ip} tcp sport 15008 tcp flags == ack drop\n }}\n}}\n"
+        );
+        let mut nft = std::process::Command::new("nft")
+            .args(["-f", "-"])
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::io::Write::write_all(&mut nft.stdin.take().unwrap(), rules.as_bytes()).unwrap();
+        assert!(nft.wait().unwrap().success(), "nft: {rules}");
+        DropPodAcks { table }
+    }
+}
+
+impl Drop for DropPodAcks {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("nft")
+            .args(["delete", "table", "ip", &self.table])
+            .status();
+    }
 }
 
 /// How each end's read went after the kill and a write: Some (EOF, or an error such as
@@ -1214,15 +1301,18 @@ impl Ends {
 
 /// A connection through a daemon process that is killed (SIGKILL) in the middle of a
 /// ping-pong; then each end writes and reads once, as a peer with more to say does.
-/// (Not under `auto`: README, "What a restart or a crash keeps".)
-async fn killed_mid_connection(dataplane: &str, pod_ip: &str, ip: &str) -> Ends {
+/// The next daemon is started before they do. With `late_ack`, the pod's pure ACKs are
+/// dropped until the daemon says its socket to the pod waits for one
+/// (`waypoint_rewrite_unacknowledged`), and the ping-pong starts once it no longer does.
+async fn killed_mid_connection(args: &[&str], pod_ip: &str, ip: &str, late_ack: bool) -> Ends {
     let pod = tokio::net::TcpListener::bind(format!("{pod_ip}:15008"))
         .await
         .unwrap();
     let file = reviews_at(pod_ip);
     let tunnel: std::net::SocketAddr = format!("{ip}:15443").parse().unwrap();
     let admin: std::net::SocketAddr = format!("{ip}:15021").parse().unwrap();
-    let daemon = spawn_on(&file, tunnel, admin, &["--dataplane", dataplane], None).await;
+    let daemon = spawn_on(&file, tunnel, admin, args, None).await;
+    let drop_acks = late_ack.then(|| DropPodAcks::new(pod_ip));
     let hello = hello_for("8080.reviews.bookinfo.mesh.local");
     let mut c = TcpStream::connect(tunnel).await.unwrap();
     c.write_all(&hello).await.unwrap();
@@ -1233,6 +1323,14 @@ async fn killed_mid_connection(dataplane: &str, pod_ip: &str, ip: &str) -> Ends 
     let mut got = vec![0u8; hello.len()];
     p.read_exact(&mut got).await.unwrap();
     assert_eq!(got, hello);
+    if let Some(drop_acks) = drop_acks {
+        let series = "waypoint_rewrite_unacknowledged";
+        until_sample(admin, series, 1.0, "the hello unacknowledged").await;
+        drop(drop_acks);
+        // B resends the hello (RTO), the pod acknowledges it again, and B is silenced
+        // at its connection's next look.
+        until_sample(admin, series, 0.0, "the hello acknowledged").await;
+    }
     // Both ways, past any hand-over to the kernel.
     for _ in 0..20 {
         let mut b = [0u8; 4];
@@ -1243,6 +1341,7 @@ async fn killed_mid_connection(dataplane: &str, pod_ip: &str, ip: &str) -> Ends 
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     drop(daemon); // SIGKILL, and waits for the exit.
+    let _next = spawn_on(&file, tunnel, admin, args, None).await;
     let mut b = [0u8; 16];
     // A write may fail already (a reset came in): the read then says how it ended.
     let _ = c.write_all(b"after").await;

@@ -13,7 +13,7 @@ use netlink_packet_core::{
     NLM_F_REQUEST,
 };
 use netlink_packet_route::{
-    tc::{TcAttribute, TcHandle, TcMessage},
+    tc::{TcAttribute, TcFilterBpfOption, TcHandle, TcMessage, TcOption},
     RouteNetlinkMessage,
 };
 use netlink_sys::{protocols::NETLINK_ROUTE, Socket, SocketAddr};
@@ -73,6 +73,78 @@ pub fn filters(index: u32) -> Result<usize, Error> {
             .count();
     }
     Ok(n)
+}
+
+/// A BPF filter on an interface's clsact ingress, as a dump lists it.
+#[derive(Debug, Clone)]
+pub struct BpfFilter {
+    /// The dump's message, whose header (interface, parent, priority and protocol,
+    /// handle) names the filter in a request to remove it.
+    header: TcMessage,
+    /// The program's name (`TCA_BPF_NAME`), if the kernel gave one.
+    pub name: Option<String>,
+    /// The program's id (`TCA_BPF_ID`), if the kernel gave one.
+    pub prog_id: Option<u32>,
+}
+
+/// The BPF filters on interface `index`'s clsact ingress (none when it has no clsact
+/// qdisc).
+pub fn ingress_bpf_filters(index: u32) -> Result<Vec<BpfFilter>, Error> {
+    let mut msg = TcMessage::with_index(index as i32);
+    msg.header.parent = TcHandle {
+        major: 0xffff,
+        minor: TcHandle::MIN_INGRESS,
+    };
+    let answers = match request(RouteNetlinkMessage::GetTrafficFilter(msg), NLM_F_DUMP) {
+        Ok(a) => a,
+        // No clsact qdisc: no filter.
+        Err(Error::Refused(e)) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOENT)) => {
+            return Ok(Vec::new())
+        }
+        Err(e) => return Err(e),
+    };
+    let mut filters = Vec::new();
+    for answer in answers {
+        let RouteNetlinkMessage::NewTrafficFilter(m) = answer else {
+            continue;
+        };
+        // A priority's chain head has no handle; only filters have one.
+        let bpf = m
+            .attributes
+            .iter()
+            .any(|a| matches!(a, TcAttribute::Kind(k) if k == "bpf"));
+        if !bpf || m.header.handle == TcHandle::UNSPEC {
+            continue;
+        }
+        let (mut name, mut prog_id) = (None, None);
+        for a in &m.attributes {
+            let TcAttribute::Options(options) = a else {
+                continue;
+            };
+            for o in options {
+                match o {
+                    TcOption::Bpf(TcFilterBpfOption::ProgName(n)) => name = Some(n.clone()),
+                    TcOption::Bpf(TcFilterBpfOption::ProgId(i)) => prog_id = Some(*i),
+                    _ => {}
+                }
+            }
+        }
+        filters.push(BpfFilter {
+            header: TcMessage::from_parts(m.header, vec![TcAttribute::Kind("bpf".into())]),
+            name,
+            prog_id,
+        });
+    }
+    Ok(filters)
+}
+
+/// Removes one filter that [`ingress_bpf_filters`] listed.
+pub fn remove_filter(filter: &BpfFilter) -> Result<(), Error> {
+    request(
+        RouteNetlinkMessage::DelTrafficFilter(filter.header.clone()),
+        0,
+    )
+    .map(drop)
 }
 
 /// The clsact qdisc of interface `index`, as a request names it.

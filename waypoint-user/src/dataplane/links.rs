@@ -13,7 +13,8 @@
 //!
 //! Where the kernel has no TCX (before 6.6) the program is a netlink filter on the
 //! interface's clsact qdisc, which the daemon adds where none is and removes on exit
-//! (see `clsact.rs`).
+//! (see `clsact.rs`). Such a filter outlives a daemon killed with SIGKILL: the next one
+//! removes it before it attaches its own (see `orphans.rs`).
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -38,6 +39,7 @@ use tracing::{debug, info, warn};
 
 use super::background::{Background, JOIN_WITHIN};
 use super::clsact;
+use super::orphans;
 
 /// How long the thread waits for a link change before it compares anyway (and looks
 /// whether the dataplane is still there).
@@ -66,6 +68,10 @@ pub enum Error {
     /// The watching thread could not be started.
     #[error("starting the link watcher: {0}")]
     Thread(#[source] std::io::Error),
+    /// The program's id could not be read, or its owner's mark not set (see
+    /// `orphans.rs`).
+    #[error("marking the rewrite program as this daemon's: {0}")]
+    Owner(#[source] std::io::Error),
 }
 
 /// Why the program could not be attached to an interface.
@@ -119,6 +125,8 @@ pub struct Links {
     /// wakes the thread, which then exits.
     stop: Option<OwnedFd>,
     thread: Option<Background>,
+    /// The mark that the netlink filters' program is this live daemon's.
+    _owner: Option<orphans::Owner>,
 }
 
 impl Drop for Links {
@@ -171,9 +179,22 @@ impl Links {
             failed: BTreeSet::new(),
             qdiscs: BTreeSet::new(),
         };
+        let owner;
         {
             let mut o = object.lock().unwrap_or_else(|p| p.into_inner());
             let prog = o.classifier(program).ok_or(Error::Missing)?;
+            // Before the first filter: another daemon starting now must not take ours
+            // for a dead one's.
+            owner = match how {
+                Attach::Netlink => {
+                    let id = prog
+                        .info()
+                        .map_err(|e| Error::Owner(std::io::Error::other(e)))?
+                        .id();
+                    Some(orphans::Owner::hold(id).map_err(Error::Owner)?)
+                }
+                Attach::Tcx => None,
+            };
             for (index, name) in interfaces()? {
                 if let Err(source) = watch.attach(prog, index, &name) {
                     watch.release(Some(prog));
@@ -208,6 +229,7 @@ impl Links {
             shared,
             stop: Some(stop),
             thread: Some(thread),
+            _owner: owner,
         })
     }
 
@@ -359,6 +381,7 @@ impl Attached {
         let attached = match self.how {
             Attach::Tcx => prog.attach(name, TcAttachType::Ingress),
             Attach::Netlink => {
+                orphans::remove(index, name);
                 if clsact::add(index).map_err(AttachError::Qdisc)? {
                     self.qdiscs.insert(index);
                 }

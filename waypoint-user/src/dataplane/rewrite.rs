@@ -24,6 +24,11 @@
 //!    conversations: the rewrite is undone and both ends are reset ("stranded").
 //! 4. A is closed silently (repair mode sends neither FIN nor RST). B stays open,
 //!    holding its 4-tuple, so that no other connection to the pod gets the same one.
+//!    Once the pod has acknowledged all B sent, B goes into repair mode too
+//!    ([`silence`]): it has nothing left to resend, and a daemon killed with SIGKILL
+//!    then closes it without a FIN. (A FIN from B, below what the pod has received
+//!    through the rewrite, is answered with an ACK that B drops, and the two trade
+//!    ACKs until B's orphan retries run out, the pod's end open all that time.)
 //!
 //! **End:** the program reports the connection's end (how, and the bytes each way) at a
 //! RST or at the second FIN, through a ring read within 100 ms rather than at once (see
@@ -163,6 +168,9 @@ pub struct Counts {
     /// Hand-overs that computed the sequence numbers from the sockets' handshake records
     /// (the others read them in repair mode).
     pub recorded: u64,
+    /// Rewritten connections whose B still waits for the pod to acknowledge what it sent
+    /// (not in repair mode yet, see [`silence`]).
+    pub unacknowledged: u64,
 }
 
 /// The rewrite program's maps, as the loader hands them over.
@@ -200,6 +208,8 @@ pub(super) struct Rewriter {
     records: Option<Records>,
     /// Hand-overs that took their sequence numbers from the records.
     recorded: AtomicU64,
+    /// See [`Counts::unacknowledged`]; kept by [`Rewritten`].
+    unacknowledged: AtomicU64,
     /// The port whose dials the kernel records unmarked (`ebpf::Config::pod_port`).
     pod_port: Option<u16>,
     /// Ended connections whose entries linger, oldest first ([`Rewriter::sweep`]).
@@ -299,6 +309,7 @@ impl Rewriter {
             pause,
             records,
             recorded: AtomicU64::new(0),
+            unacknowledged: AtomicU64::new(0),
             pod_port,
             lingering: Mutex::new(VecDeque::new()),
             linger_limit: node_linger_limit(),
@@ -352,6 +363,7 @@ impl Rewriter {
             linger_limit: self.linger_limit as u64,
             pending: self.pending.load(Relaxed),
             recorded: self.recorded.load(Relaxed),
+            unacknowledged: self.unacknowledged.load(Relaxed),
         }
     }
 
@@ -489,10 +501,14 @@ impl Rewriter {
                 return Ok(Err(e));
             }
         };
+        // Most pods have acknowledged the hello by now (one RTT on the node, against a
+        // grace period): B is silenced here, the rest by `Rewritten`.
+        let silent = silence(&upstream);
         Ok(Ok(HandedOver {
             addrs,
             slot,
             upstream,
+            silent,
             initial_len,
             carried: fill.data,
             start,

@@ -6,6 +6,7 @@ use std::{
     future::Future,
     os::fd::{AsRawFd, OwnedFd},
     pin::Pin,
+    sync::atomic::Ordering::Relaxed,
     sync::Arc,
     task::{Context, Poll},
     time::{Duration, Instant},
@@ -25,6 +26,8 @@ pub(in crate::dataplane) struct HandedOver {
     pub(super) slot: u32,
     /// B, kept for its 4-tuple (and, until the pod acknowledges it, to resend the hello).
     pub(super) upstream: OwnedFd,
+    /// B is in repair mode: the pod acknowledged all it sent (see [`silence`]).
+    pub(super) silent: bool,
     /// The hello's length and what was read behind it: the daemon sent them itself.
     pub(super) initial_len: u64,
     /// Bytes B carried for the client at the hand-over (see `Rewriter::fill`). The
@@ -72,8 +75,19 @@ pub(super) struct Conn {
     pub(super) idle_timeout: Duration,
     /// When the lifetime ends, if it does.
     pub(super) lifetime_end: Option<Instant>,
+    /// When the idle timeout (or the lifetime) is looked at next.
+    pub(super) due: Instant,
+    /// B is in repair mode ([`silence`]); until it is, the timer also wakes the task
+    /// every [`SILENCE_CHECK`] to try again. While B is here and not silent, the
+    /// connection counts in [`Counts::unacknowledged`].
+    pub(super) silent: bool,
     pub(super) phase: Phase,
 }
+
+/// How often a rewritten connection whose B still waits for the pod's acknowledgement
+/// tries to put B into repair mode ([`silence`]). The pod acknowledges the hello with its
+/// first pure ACK, at the latest when B resends the hello (an RTO, 200 ms at least).
+pub(super) const SILENCE_CHECK: Duration = Duration::from_millis(100);
 
 /// Where a rewritten connection is in its life. One enum rather than a field per phase:
 /// it sizes every rewritten connection's task.
@@ -99,13 +113,16 @@ impl Rewritten {
             addrs,
             slot,
             upstream,
+            silent,
             initial_len,
             carried,
             start,
             filled,
             look,
         } = handed;
-        let conn = Conn {
+        let now = Instant::now();
+        let lifetime_end = limits.max_lifetime.map(|l| start + l);
+        let mut conn = Conn {
             rewriter,
             addrs,
             slot,
@@ -114,7 +131,9 @@ impl Rewritten {
             carried,
             filled,
             idle_timeout: limits.idle_timeout,
-            lifetime_end: limits.max_lifetime.map(|l| start + l),
+            lifetime_end,
+            due: now,
+            silent,
             // Registered by the hand-over, before the entries went in; no packet was
             // rewritten before them.
             phase: Phase::Live {
@@ -123,8 +142,12 @@ impl Rewritten {
                 look,
             },
         };
+        conn.due = conn.deadline(now);
+        if !silent {
+            conn.rewriter.unacknowledged.fetch_add(1, Relaxed);
+        }
         Rewritten {
-            timer: tokio::time::sleep_until(conn.deadline(Instant::now()).into()),
+            timer: tokio::time::sleep_until(conn.wake(now).into()),
             conn,
         }
     }
@@ -136,6 +159,36 @@ impl Conn {
     pub(super) fn deadline(&self, now: Instant) -> Instant {
         let idle = now + self.idle_timeout;
         self.lifetime_end.map_or(idle, |l| l.min(idle))
+    }
+
+    /// When the timer wakes the task next: at [`Conn::due`], or sooner while B is not
+    /// silent yet.
+    pub(super) fn wake(&self, now: Instant) -> Instant {
+        if self.silent {
+            self.due
+        } else {
+            self.due.min(now + SILENCE_CHECK)
+        }
+    }
+
+    /// Tries again to put B into repair mode ([`silence`]).
+    pub(super) fn silence(&mut self) {
+        if let (false, Some(b)) = (self.silent, &self.upstream) {
+            self.silent = silence(b);
+            if self.silent {
+                self.rewriter.unacknowledged.fetch_sub(1, Relaxed);
+            }
+        }
+    }
+
+    /// Takes B out of the connection (to the linger), and out of
+    /// [`Counts::unacknowledged`]: the connection has ended.
+    fn take_upstream(&mut self) -> Option<OwnedFd> {
+        let b = self.upstream.take();
+        if b.is_some() && !self.silent {
+            self.rewriter.unacknowledged.fetch_sub(1, Relaxed);
+        }
+        b
     }
 
     pub(super) fn unregister(&mut self) {
@@ -150,7 +203,7 @@ impl Conn {
     /// nothing follows a reset or the second FIN). Its entries and B go to the linger.
     pub(super) fn ended(&mut self, end: End, bytes: (u64, u64)) -> Outcome {
         self.unregister();
-        if let Some(upstream) = self.upstream.take() {
+        if let Some(upstream) = self.take_upstream() {
             let mut queue = lock(&self.rewriter.lingering);
             // Read under the lock: the queue stays in order of `due` whichever worker
             // pushes.
@@ -233,6 +286,12 @@ impl Future for Rewritten {
                 return Poll::Pending;
             }
             let now = Instant::now();
+            if now < c.due {
+                // Woken early, to silence B.
+                c.silence();
+                this.timer.as_mut().reset(c.wake(now).into());
+                continue;
+            }
             if c.lifetime_end.is_some_and(|l| now >= l) {
                 return Poll::Ready(c.aborted(End::LifetimeExceeded));
             }
@@ -245,7 +304,9 @@ impl Future for Rewritten {
                 registered: true,
                 look: false,
             };
-            this.timer.as_mut().reset(c.deadline(now).into());
+            c.due = c.deadline(now);
+            c.silence();
+            this.timer.as_mut().reset(c.wake(now).into());
         }
     }
 }
@@ -276,7 +337,7 @@ impl Drop for Conn {
             }
         }
         // Silent: the pod learnt of the end from the client, or from its reset.
-        if let Some(b) = &self.upstream {
+        if let Some(b) = self.take_upstream() {
             let _ = set_repair(b.as_raw_fd(), 1);
         }
     }

@@ -208,6 +208,14 @@ pub(super) fn getsockopt_u32(fd: RawFd, opt: libc::c_int) -> io::Result<u32> {
     sys::getsockopt_u32(fd, libc::IPPROTO_TCP, opt)
 }
 
+/// Puts B into repair mode once everything it sent is acknowledged (its hello, and any
+/// bytes or FIN it carried for the client); whether it is in repair mode now. Until then
+/// it must be able to resend.
+pub(super) fn silence(b: &impl AsFd) -> bool {
+    crate::sys::unsent_or_unacked(b).is_ok_and(|n| n == 0)
+        && set_repair(b.as_fd().as_raw_fd(), 1).is_ok()
+}
+
 pub(super) fn set_repair(fd: RawFd, mode: libc::c_int) -> io::Result<()> {
     setsockopt_int(fd, TCP_REPAIR, mode)
 }

@@ -1,0 +1,133 @@
+//! Rewrite filters a killed daemon left behind (kernels before 6.6).
+//!
+//! A netlink filter is not tied to the process that added it: a daemon killed with
+//! SIGKILL leaves its rewrite program on every interface, with its map of rewritten
+//! connections. Nobody ends those connections any more, and their entries would rewrite
+//! the packets of any new connection that takes one of their 4-tuples: the next daemon,
+//! dialing a pod from a port the dead one's socket freed, would have the pod's answers
+//! rewritten into a dead connection's client. (A TCX link goes with its process.)
+//!
+//! So each daemon marks its program as owned, for as long as it lives, with an abstract
+//! unix socket named for the program's id ([`Owner`]): the kernel frees the name with the
+//! process, however it ends, and the name is seen from every process of the network
+//! namespace, whatever its PID namespace (every daemon of a node runs in the host's).
+//! Before it attaches to an interface, a daemon removes the rewrite filters there whose
+//! program no one owns ([`remove`]). Their connections then end at their next packet:
+//! the client's and the pod's reach sockets that are gone, and are answered with a reset.
+
+use std::{io, os::fd::OwnedFd};
+
+use nix::sys::socket::{self, AddressFamily, SockFlag, SockType, UnixAddr};
+use tracing::{info, warn};
+
+use super::clsact;
+
+/// The names of the programs whose filters are looked at: this build's, and any other
+/// version's that keeps the prefix.
+const PREFIX: &str = "waypoint_rewrite";
+
+/// The mark of a daemon's rewrite program: held until dropped (or the process ends).
+#[derive(Debug)]
+pub struct Owner {
+    _socket: OwnedFd,
+}
+
+impl Owner {
+    /// Marks program `prog_id` as this process's.
+    pub fn hold(prog_id: u32) -> io::Result<Owner> {
+        let socket = bind(prog_id)?;
+        Ok(Owner { _socket: socket })
+    }
+}
+
+/// The abstract socket name of program `prog_id`'s owner.
+fn name(prog_id: u32) -> String {
+    format!("waypoint/rewrite-program/{prog_id}")
+}
+
+/// Binds the owner's name of `prog_id`: fails with `EADDRINUSE` while its owner lives.
+fn bind(prog_id: u32) -> io::Result<OwnedFd> {
+    let socket = socket::socket(
+        AddressFamily::Unix,
+        SockType::Datagram,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )?;
+    let addr = UnixAddr::new_abstract(name(prog_id).as_bytes())?;
+    socket::bind(std::os::fd::AsRawFd::as_raw_fd(&socket), &addr)?;
+    Ok(socket)
+}
+
+/// Whether program `prog_id` has an owner.
+fn owned(prog_id: u32) -> io::Result<bool> {
+    match bind(prog_id) {
+        // Nobody holds the name; the probe lets it go again as it drops.
+        Ok(_) => Ok(false),
+        Err(e) if e.raw_os_error() == Some(libc::EADDRINUSE) => Ok(true),
+        Err(e) => Err(e),
+    }
+}
+
+/// Removes the rewrite filters on interface `index` (`interface` names it in logs) whose
+/// program has no owner; how many it removed. A failure is logged, and leaves the filter.
+pub fn remove(index: u32, interface: &str) -> usize {
+    let filters = match clsact::ingress_bpf_filters(index) {
+        Ok(f) => f,
+        Err(e) => {
+            warn!(interface, error = %e,
+                "listing the interface's filters, to remove the ones a killed daemon left, failed");
+            return 0;
+        }
+    };
+    let mut removed = 0;
+    for f in filters {
+        let (Some(name), Some(id)) = (&f.name, f.prog_id) else {
+            continue;
+        };
+        if !name.starts_with(PREFIX) {
+            continue;
+        }
+        match owned(id) {
+            Ok(true) => continue,
+            Ok(false) => {}
+            Err(e) => {
+                warn!(interface, prog_id = id, error = %e,
+                    "could not tell whether a rewrite filter's daemon lives; left");
+                continue;
+            }
+        }
+        match clsact::remove_filter(&f) {
+            Ok(()) => {
+                removed += 1;
+                info!(interface, prog_id = id,
+                    "removed the rewrite filter of a daemon that is gone: its connections end at their next packet");
+            }
+            Err(e) => warn!(interface, prog_id = id, error = %e,
+                "the rewrite filter of a daemon that is gone could not be removed: its \
+                 connections' entries may rewrite new connections' packets"),
+        }
+    }
+    removed
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+    use super::*;
+
+    /// The mark is seen while held and gone once dropped; holding it twice fails.
+    #[test]
+    fn an_owner_is_seen_while_it_lives() {
+        // An id no program has: the test's own, far above what a host allocates.
+        let id = u32::MAX - u32::from(std::process::id() as u16);
+        assert!(!owned(id).unwrap());
+        let owner = Owner::hold(id).unwrap();
+        assert!(owned(id).unwrap());
+        assert_eq!(
+            Owner::hold(id).unwrap_err().raw_os_error(),
+            Some(libc::EADDRINUSE)
+        );
+        drop(owner);
+        assert!(!owned(id).unwrap());
+    }
+}
