@@ -1117,8 +1117,9 @@ fn ingress_filters_on_lo() -> usize {
 const KILLED_CHILD: &str = "WAYPOINT_TEST_KILLED_DAEMON";
 
 /// A netlink filter outlives the daemon that added it when that daemon is killed with
-/// SIGKILL (no destructor runs), and so do its entries: the next daemon removes it
-/// before it attaches its own, and then rewrites through its own. A live daemon's filter
+/// SIGKILL (no destructor runs), and so do its entries: the next daemon removes it at
+/// its start, whichever dataplane it runs, and a rewriting one then rewrites through
+/// its own. A live daemon's filter
 /// it leaves (the test above: two daemons side by side). The killed daemon is this test
 /// binary run again, as a child, in this test's network namespace.
 #[test]
@@ -1133,25 +1134,42 @@ fn without_tcx_the_next_daemon_removes_the_filter_a_killed_one_left() {
     }
     nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).expect("unshare(CLONE_NEWNET)");
     ip(&["link", "set", "lo", "up"]);
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "without_tcx_the_next_daemon_removes_the_filter_a_killed_one_left",
-            "--exact",
-            "--nocapture",
-        ])
-        .env(KILLED_CHILD, "1")
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let ready = std::io::BufRead::lines(std::io::BufReader::new(stdout))
-        .map_while(Result::ok)
-        .any(|l| l == "ready");
-    assert!(ready, "the child attached its filter");
-    assert_eq!(ingress_filters_on_lo(), 1);
-    child.kill().unwrap();
-    child.wait().unwrap();
-    assert_eq!(ingress_filters_on_lo(), 1, "the filter outlives its daemon");
+    let killed = || {
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "without_tcx_the_next_daemon_removes_the_filter_a_killed_one_left",
+                "--exact",
+                "--nocapture",
+            ])
+            .env(KILLED_CHILD, "1")
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let ready = std::io::BufRead::lines(std::io::BufReader::new(stdout))
+            .map_while(Result::ok)
+            .any(|l| l == "ready");
+        assert!(ready, "the child attached its filter");
+        assert_eq!(ingress_filters_on_lo(), 1);
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert_eq!(ingress_filters_on_lo(), 1, "the filter outlives its daemon");
+    };
+    // A daemon without the rewrite removes it too: its dials are as exposed.
+    killed();
+    let (copy, _) = waypoint::dataplane::choice::choose(
+        waypoint::dataplane::Kind::Copy,
+        ebpf::Config::default(),
+        64 * 1024,
+    )
+    .unwrap();
+    assert_eq!(
+        ingress_filters_on_lo(),
+        0,
+        "removed by a copy dataplane's start"
+    );
+    drop(copy);
+    killed();
     let (dp, e) = load_netlink();
     assert_eq!(
         ingress_filters_on_lo(),

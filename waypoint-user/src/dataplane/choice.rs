@@ -112,6 +112,9 @@ pub fn choose(
             },
         )
     };
+    // Whatever runs: a killed daemon's rewrite filter (before Linux 6.6) would rewrite
+    // this daemon's dials to the pods from the ports its sockets freed.
+    super::orphans::remove_everywhere();
     let kernel = KernelVersion::current().ok();
     let (dataplane, chosen) = match kind {
         Kind::Ebpf => {

@@ -11,8 +11,9 @@
 //! unix socket named for the program's id ([`Owner`]): the kernel frees the name with the
 //! process, however it ends, and the name is seen from every process of the network
 //! namespace, whatever its PID namespace (every daemon of a node runs in the host's).
-//! Before it attaches to an interface, a daemon removes the rewrite filters there whose
-//! program no one owns ([`remove`]). Their connections then end at their next packet:
+//! Every daemon, whichever dataplane it runs, removes at its start the rewrite filters
+//! whose program no one owns ([`remove_everywhere`]), and a rewriting one again before
+//! it attaches to an interface ([`remove`]). Their connections then end at their next packet:
 //! the client's and the pod's reach sockets that are gone, and are answered with a reset.
 
 use std::{io, os::fd::OwnedFd};
@@ -65,6 +66,21 @@ fn owned(prog_id: u32) -> io::Result<bool> {
         Ok(_) => Ok(false),
         Err(e) if e.raw_os_error() == Some(libc::EADDRINUSE) => Ok(true),
         Err(e) => Err(e),
+    }
+}
+
+/// Removes the rewrite filters no one owns on every interface of this thread's network
+/// namespace: at the start of every daemon, whichever dataplane it runs (one netlink
+/// dump per interface). A failure is logged.
+pub fn remove_everywhere() {
+    match nix::net::if_::if_nameindex() {
+        Ok(list) => {
+            for i in list.iter() {
+                remove(i.index(), &i.name().to_string_lossy());
+            }
+        }
+        Err(e) => warn!(error = %e,
+            "listing the interfaces, to remove the rewrite filters a killed daemon left, failed"),
     }
 }
 
