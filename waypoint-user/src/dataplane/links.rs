@@ -187,6 +187,9 @@ impl Links {
             // for a dead one's.
             owner = match how {
                 Attach::Netlink => {
+                    // Once, here: an interface that appears later has no dead daemon's
+                    // filter on it.
+                    orphans::remove_everywhere();
                     let id = prog
                         .info()
                         .map_err(|e| Error::Owner(std::io::Error::other(e)))?
@@ -381,7 +384,6 @@ impl Attached {
         let attached = match self.how {
             Attach::Tcx => prog.attach(name, TcAttachType::Ingress),
             Attach::Netlink => {
-                orphans::remove(index, name);
                 if clsact::add(index).map_err(AttachError::Qdisc)? {
                     self.qdiscs.insert(index);
                 }

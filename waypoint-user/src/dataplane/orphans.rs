@@ -12,8 +12,8 @@
 //! process, however it ends, and the name is seen from every process of the network
 //! namespace, whatever its PID namespace (every daemon of a node runs in the host's).
 //! Every daemon, whichever dataplane it runs, removes at its start the rewrite filters
-//! whose program no one owns ([`remove_everywhere`]), and a rewriting one again before
-//! it attaches to an interface ([`remove`]). Their connections then end at their next packet:
+//! whose program no one owns ([`remove_everywhere`]), and a rewriting one again right
+//! before its first attachment (a test loads the dataplane without the daemon's start). Their connections then end at their next packet:
 //! the client's and the pod's reach sockets that are gone, and are answered with a reset.
 
 use std::{io, os::fd::OwnedFd};
@@ -86,7 +86,7 @@ pub fn remove_everywhere() {
 
 /// Removes the rewrite filters on interface `index` (`interface` names it in logs) whose
 /// program has no owner; how many it removed. A failure is logged, and leaves the filter.
-pub fn remove(index: u32, interface: &str) -> usize {
+fn remove(index: u32, interface: &str) -> usize {
     let filters = match clsact::ingress_bpf_filters(index) {
         Ok(f) => f,
         Err(e) => {
