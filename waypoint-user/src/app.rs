@@ -10,7 +10,7 @@ use tracing::{debug, info, warn};
 use crate::{
     admin::{Admin, Api, Readiness},
     config::Config,
-    dataplane::choice,
+    dataplane::{adopt, choice},
     kubernetes,
     metrics::Metrics,
     registry::{self, etcd},
@@ -52,6 +52,16 @@ impl App {
         info!(?config, "starting");
         sni::validate_mesh_domain(&config.mesh_domain)
             .map_err(|e| anyhow::anyhow!("--mesh-domain {:?}: {e}", config.mesh_domain))?;
+        // Before any dial: a gone daemon's rewritten connections hold 4-tuples to the
+        // pods that no new connection may take.
+        let adopter = Arc::new(
+            adopt::Adopter::start(adopt::Config {
+                idle_timeout: config.idle_timeout,
+                max_lifetime: config.max_lifetime,
+                pin_dir: config.pin_dir.clone(),
+            })
+            .context("starting the adopter")?,
+        );
         let (dataplane, chosen) = choice::choose(
             config.dataplane,
             config.ebpf(),
@@ -61,6 +71,7 @@ impl App {
         // runtimes, and each starts its own parker at its first idle connection.
         let dataplane = Arc::new(dataplane);
         let mut metrics = Metrics::new(dataplane.clone(), &chosen);
+        metrics.register_adopter(adopter.clone());
         let router_metrics = router::Metrics::new(metrics.registry_mut());
         let registry_metrics = registry::metrics::Metrics::new(metrics.registry_mut());
         let kubernetes_metrics = if config.kubernetes {

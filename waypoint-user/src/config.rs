@@ -363,6 +363,14 @@ pub struct Config {
     #[arg(long, env = "WAYPOINT_MAX_PENDING_HANDSHAKES", default_value_t = 4096)]
     pub max_pending_handshakes: usize,
 
+    /// Where in bpffs a rewriting daemon pins its program's links and map, so that its
+    /// rewritten connections outlive it: the next daemon, whichever dataplane it runs,
+    /// finds them there and adopts them (it looks at its start, before it dials anything,
+    /// and every 500 ms). Without a writable bpffs there, the daemon rewrites all the
+    /// same, and its rewritten connections end with it.
+    #[arg(long, env = "WAYPOINT_PIN_DIR", default_value = crate::dataplane::pins::DEFAULT_DIR)]
+    pub pin_dir: std::path::PathBuf,
+
     /// On SIGTERM, how long established connections may drain before they are closed.
     #[arg(long, env = "WAYPOINT_DRAIN_TIMEOUT", value_parser = parse_duration, default_value = "30s")]
     pub drain_timeout: Duration,
@@ -586,6 +594,7 @@ impl Config {
             move_after: self.move_after,
             rewrite_splice: self.rewrite_splice(),
             pod_port: Some(self.pod_port),
+            pin_dir: self.pin_dir.clone(),
             ..dataplane::ebpf::Config::default()
         }
     }

@@ -12,6 +12,7 @@
 //! one side aborts the other; an idle or over-age connection is closed. A connection that
 //! holds bytes and makes no progress is counted and logged once ([`stall`]).
 
+pub mod adopt;
 mod background;
 mod bpf_cmd;
 mod btf;
@@ -24,6 +25,7 @@ mod flows;
 pub mod links;
 mod orphans;
 mod park;
+pub mod pins;
 #[cfg(test)]
 mod program_runs;
 pub mod rewrite;

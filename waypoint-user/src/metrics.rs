@@ -16,7 +16,7 @@ use prometheus_client::{
 
 use waypoint_common::Stat;
 
-use crate::dataplane::{choice::Chosen, Dataplane};
+use crate::dataplane::{adopt::Adopter, choice::Chosen, Dataplane};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct DataplaneLabel {
@@ -87,6 +87,12 @@ impl Metrics {
         Metrics { registry }
     }
 
+    /// Registers the adopter's metrics (see `dataplane::adopt`).
+    pub fn register_adopter(&mut self, adopter: Arc<Adopter>) {
+        self.registry
+            .register_collector(Box::new(AdoptCollector { adopter }));
+    }
+
     /// The registry, for subsystems to register their own metrics.
     pub fn registry_mut(&mut self) -> &mut Registry {
         &mut self.registry
@@ -133,6 +139,48 @@ impl Collector for HeapCollector {
             }
         }
         Ok(())
+    }
+}
+
+/// The adopter's counts, read at each scrape.
+#[derive(Debug)]
+struct AdoptCollector {
+    adopter: Arc<Adopter>,
+}
+
+impl Collector for AdoptCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let c = self.adopter.counts();
+        single(
+            &mut encoder,
+            "adopted_programs",
+            "Rewrite programs of daemons that are gone, held by this one until their last              connection ends",
+            gauge(c.programs),
+        )?;
+        single(
+            &mut encoder,
+            "adopted_connections",
+            "Rewritten connections of daemons that are gone, held by this one",
+            gauge(c.connections),
+        )?;
+        single(
+            &mut encoder,
+            "adoptions",
+            "Rewritten connections adopted from daemons that were gone",
+            counter(c.adopted),
+        )?;
+        single(
+            &mut encoder,
+            "adopted_resets",
+            "Adopted connections reset at the idle timeout or the lifetime (counted from              their adoption)",
+            counter(c.reset),
+        )?;
+        single(
+            &mut encoder,
+            "adoption_refusals",
+            "Rewrite programs of gone daemons whose map's layout this daemon does not read:              removed, their connections end at their next packet",
+            counter(c.refused),
+        )
     }
 }
 

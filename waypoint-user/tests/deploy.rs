@@ -252,6 +252,9 @@ fn bpffs_is_mounted() {
         .find(|m| m.name == vol.name)
         .expect("bpffs mounted");
     assert_eq!(mount.mount_path, "/sys/fs/bpf");
+    // Writable: the daemon pins its rewrite program there (--pin-dir's default), so that
+    // its rewritten connections outlive it.
+    assert_ne!(mount.read_only, Some(true));
 }
 
 #[test]

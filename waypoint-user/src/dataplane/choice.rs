@@ -121,10 +121,10 @@ pub fn choose(
             if let Some(unfixed) = kernel.and_then(sockmap_unfixed) {
                 warn!(%unfixed, "--dataplane=ebpf on a kernel auto would run splice on");
             }
-            asked(ebpf(Ebpf::load(config).map_err(|source| Error {
-                rewrite: config.rewrite_splice,
-                source,
-            })?))
+            let rewrite = config.rewrite_splice;
+            asked(ebpf(
+                Ebpf::load(config).map_err(|source| Error { rewrite, source })?,
+            ))
         }
         Kind::Splice => asked((Dataplane::Splice(Splice::new(pipe_size)), "splice")),
         Kind::Copy => asked((Dataplane::Copy(UserspaceCopy::new()), "copy")),
@@ -199,7 +199,7 @@ fn probe(
             },
         )
     };
-    let refused = match Ebpf::load(config) {
+    let refused = match Ebpf::load(config.clone()) {
         Ok(e) => return chosen(ebpf(e), Reason::Probed, None),
         Err(e) => e,
     };
@@ -267,6 +267,7 @@ mod tests {
             ..ebpf::Config::default()
         };
         let load = |kind| {
+            let config = config.clone();
             std::thread::spawn(move || {
                 caps::drop(None, caps::CapSet::Effective, caps::Capability::CAP_NET_RAW).unwrap();
                 choose(kind, config, 1 << 16).map(|(dp, chosen)| (dp.kind(), chosen))
@@ -317,7 +318,7 @@ mod tests {
             ..ebpf::Config::default()
         };
         config.hooks.refuse_rewrite = true;
-        let (dp, chosen) = choose(Kind::Auto, config, 1 << 16).unwrap();
+        let (dp, chosen) = choose(Kind::Auto, config.clone(), 1 << 16).unwrap();
         let Dataplane::Ebpf(e) = &dp else {
             panic!("{chosen}");
         };

@@ -52,6 +52,7 @@ use super::bpf_cmd::per_cpu_total;
 use super::established::Records;
 use super::flows::{self, FlowTable};
 use super::links;
+use super::pins;
 use super::rewrite::{self, Rewriter};
 use super::signals::{self, Signals};
 use super::tally::{Taken, Tally};
@@ -91,7 +92,7 @@ const REFRESH_INTERVAL: Duration = Duration::from_millis(1);
 const IDLE_REFRESHES: u32 = 8;
 
 /// Settings of the eBPF dataplane.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Config {
     /// Bytes allowed in flight in the kernel per direction (redirected but not yet taken
     /// by the destination's TCP). Bounds memory under a slow reader.
@@ -121,6 +122,8 @@ pub struct Config {
     /// socket of the daemon's cgroup that connects to it (see `established.rs`), so
     /// that the daemon need not mark them. None: only marked sockets are recorded.
     pub pod_port: Option<u16>,
+    /// Where the rewrite program's links and map are pinned (see `pins.rs`).
+    pub pin_dir: std::path::PathBuf,
     /// Hooks that hold a race open for a test (feature `test-hooks`, which only the
     /// crate's own tests turn on).
     #[cfg(any(test, feature = "test-hooks"))]
@@ -163,6 +166,7 @@ impl Default for Config {
             signal_ring_bytes: waypoint_common::SIGNALS_BYTES,
             rewrite_splice: false,
             pod_port: None,
+            pin_dir: pins::DEFAULT_DIR.into(),
             #[cfg(any(test, feature = "test-hooks"))]
             hooks: Hooks::default(),
         }
@@ -430,7 +434,7 @@ impl Ebpf {
                 None
             }
         };
-        match (offsets, Ebpf::load_with(config, offsets)) {
+        match (offsets, Ebpf::load_with(config.clone(), offsets)) {
             (Some(_), Err(e)) if e.refused_verdict() => {
                 warn!(
                     error = %e.brief(),
@@ -510,9 +514,7 @@ impl Ebpf {
         prog.load().map_err(Error::Verdict)?;
         prog.attach(peers.fd())?;
         let rewrite = if config.rewrite_splice {
-            let map: HashMap<MapData, RewriteKey, Rewrite> = take(&mut loaded, REWRITES_MAP)?
-                .try_into()
-                .map_err(|e| map_error(REWRITES_MAP, e))?;
+            let map = take(&mut loaded, REWRITES_MAP)?;
             let ports: Array<MapData, u8> = take(&mut loaded, REWRITE_PORTS_MAP)?
                 .try_into()
                 .map_err(|e| map_error(REWRITE_PORTS_MAP, e))?;
@@ -540,6 +542,9 @@ impl Ebpf {
             }
             rewrite::can_send_resets().map_err(Error::RawSocket)?;
             prog.load().map_err(Error::Rewrite)?;
+            let dir = pin_rewrites(&config.pin_dir, prog, &map);
+            let map: HashMap<MapData, RewriteKey, Rewrite> =
+                map.try_into().map_err(|e| map_error(REWRITES_MAP, e))?;
             let records = match Records::attach(&mut loaded) {
                 Ok(r) => Some(r),
                 Err(e) => {
@@ -561,23 +566,27 @@ impl Ebpf {
                 stats: rstats,
                 fills,
             };
-            Some((maps, ends, records))
+            Some((maps, ends, records, dir))
         } else {
             None
         };
         let loaded = Arc::new(Mutex::new(loaded));
         // Every interface, also the ones that appear later: the client's packets arrive
         // on the uplink, the pod's on its veth or the bridge (see `links.rs`).
-        let links = match rewrite {
-            Some(_) => Some(links::Links::start(
-                &loaded,
-                REWRITE_PROG,
-                attach_how(&config),
-            )?),
-            None => None,
-        };
         let (rewrite, ends) = match rewrite {
-            Some((maps, ends, records)) => (Some((maps, records)), Some(ends)),
+            Some((maps, ends, records, dir)) => (Some((maps, records, dir)), Some(ends)),
+            None => (None, None),
+        };
+        let (links, rewrite) = match rewrite {
+            Some((maps, records, dir)) => (
+                Some(links::Links::start(
+                    &loaded,
+                    REWRITE_PROG,
+                    attach_how(&config),
+                    dir,
+                )?),
+                Some((maps, records)),
+            ),
             None => (None, None),
         };
         let signals = Signals::start(ring, ends, signal_stats)?;
@@ -794,6 +803,33 @@ impl Drop for Ebpf {
         self.signals.stop();
         if let Some(rewriter) = &self.rewrite {
             rewriter.stop();
+        }
+    }
+}
+
+/// Creates the rewrite program's directory in bpffs and pins its map there (see
+/// `pins.rs`). Without bpffs (or a writable one) the daemon's rewritten connections end
+/// with it: logged, and None.
+fn pin_rewrites(
+    root: &std::path::Path,
+    prog: &SchedClassifier,
+    map: &aya::maps::Map,
+) -> Option<pins::ProgramDir> {
+    let pinned = prog
+        .info()
+        .map_err(|e| e.to_string())
+        .and_then(|info| pins::ProgramDir::create(root, info.id()).map_err(|e| e.to_string()))
+        .and_then(|dir| {
+            map.pin(dir.path().join(pins::REWRITES_PIN))
+                .map(|()| dir)
+                .map_err(|e| e.to_string())
+        });
+    match pinned {
+        Ok(dir) => Some(dir),
+        Err(e) => {
+            warn!(error = %e, dir = %root.display(),
+                "the rewrite map could not be pinned: rewritten connections end with the daemon");
+            None
         }
     }
 }

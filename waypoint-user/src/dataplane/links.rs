@@ -13,14 +13,17 @@
 //!
 //! Where the kernel has no TCX (before 6.6) the program is a netlink filter on the
 //! interface's clsact qdisc, which the daemon adds where none is and removes on exit
-//! (see `clsact.rs`). Such a filter outlives a daemon killed with SIGKILL: the next one
-//! removes it before it attaches its own (see `orphans.rs`).
+//! (see `clsact.rs`). Such a filter outlives its daemon; a TCX link is pinned in bpffs
+//! (see `pins.rs`) so that it does too. A daemon that leaves its rewritten connections
+//! to the next one ([`Links::leave`]) leaves its attachments; otherwise it removes them
+//! on exit. A killed daemon's are adopted by the next one (see `adopt.rs`), or removed
+//! (see `orphans.rs`).
 
 use std::{
     collections::{BTreeMap, BTreeSet},
     os::fd::{AsFd as _, AsRawFd as _, OwnedFd},
     sync::{
-        atomic::{AtomicU64, Ordering::Relaxed},
+        atomic::{AtomicBool, AtomicU64, Ordering::Relaxed},
         Arc, Mutex, Weak,
     },
     time::Duration,
@@ -28,6 +31,7 @@ use std::{
 
 use aya::{
     programs::{
+        links::{FdLink, LinkError, PinnedLink},
         tc::{NlOptions, SchedClassifierLinkId, TcAttachOptions},
         ProgramError, SchedClassifier, TcAttachType,
     },
@@ -40,6 +44,7 @@ use tracing::{debug, info, warn};
 use super::background::{Background, JOIN_WITHIN};
 use super::clsact;
 use super::orphans;
+use super::pins::ProgramDir;
 
 /// How long the thread waits for a link change before it compares anyway (and looks
 /// whether the dataplane is still there).
@@ -83,6 +88,9 @@ pub enum AttachError {
     /// The kernel refused the program.
     #[error(transparent)]
     Program(#[from] ProgramError),
+    /// The TCX link could not be pinned (see `pins.rs`).
+    #[error("pinning the link: {0}")]
+    Pin(String),
 }
 
 /// How the program is attached to an interface.
@@ -141,29 +149,43 @@ impl Drop for Links {
 struct Shared {
     attached: AtomicU64,
     failed: AtomicU64,
+    /// The attachments stay when the thread ends (see [`Links::leave`]).
+    leave: AtomicBool,
+}
+
+/// One attachment.
+enum Held {
+    /// In the program's own list (a netlink filter, or a TCX link without bpffs).
+    Owned(SchedClassifierLinkId),
+    /// A TCX link pinned in the program's directory.
+    Pinned(PinnedLink),
 }
 
 /// The thread's own state.
 struct Attached {
     how: Attach,
     /// Interface index → its name when attached, and the link.
-    links: BTreeMap<u32, (String, SchedClassifierLinkId)>,
+    links: BTreeMap<u32, (String, Held)>,
     /// (index, name) pairs whose attachment failed: not tried again (a renamed interface
     /// is a new pair, and is).
     failed: BTreeSet<(u32, String)>,
     /// Interfaces whose clsact qdisc the daemon added (removed on exit).
     qdiscs: BTreeSet<u32>,
+    /// Where the program's TCX links and map are pinned; None without bpffs (its
+    /// connections then end with the daemon).
+    dir: Option<ProgramDir>,
 }
 
 impl Links {
     /// Attaches `program` (by name in `object`) to every interface now present, `how`
     /// says how (failing if any refuses), and starts the thread that follows the
     /// changes. The thread holds the object only while it attaches: dropping the last
-    /// other owner unloads it.
+    /// other owner unloads it. `dir` is where TCX links are pinned.
     pub fn start<O>(
         object: &Arc<Mutex<O>>,
         program: &'static str,
         how: Attach,
+        dir: Option<ProgramDir>,
     ) -> Result<Links, Error>
     where
         O: ProgramOwner + Send + 'static,
@@ -172,35 +194,34 @@ impl Links {
         let shared = Arc::new(Shared {
             attached: AtomicU64::new(0),
             failed: AtomicU64::new(0),
+            leave: AtomicBool::new(false),
         });
         let mut watch = Attached {
             how,
             links: BTreeMap::new(),
             failed: BTreeSet::new(),
             qdiscs: BTreeSet::new(),
+            dir,
         };
         let owner;
         {
             let mut o = object.lock().unwrap_or_else(|p| p.into_inner());
             let prog = o.classifier(program).ok_or(Error::Missing)?;
-            // Before the first filter: another daemon starting now must not take ours
+            if how == Attach::Netlink {
+                // Once, here: an interface that appears later has no dead daemon's
+                // filter on it.
+                orphans::remove_everywhere();
+            }
+            // Before the first attachment: another daemon starting now must not take ours
             // for a dead one's.
-            owner = match how {
-                Attach::Netlink => {
-                    // Once, here: an interface that appears later has no dead daemon's
-                    // filter on it.
-                    orphans::remove_everywhere();
-                    let id = prog
-                        .info()
-                        .map_err(|e| Error::Owner(std::io::Error::other(e)))?
-                        .id();
-                    Some(orphans::Owner::hold(id).map_err(Error::Owner)?)
-                }
-                Attach::Tcx => None,
-            };
+            let id = prog
+                .info()
+                .map_err(|e| Error::Owner(std::io::Error::other(e)))?
+                .id();
+            owner = Some(orphans::Owner::hold(id).map_err(Error::Owner)?);
             for (index, name) in interfaces()? {
                 if let Err(source) = watch.attach(prog, index, &name) {
-                    watch.release(Some(prog));
+                    watch.release(Some(prog), false);
                     return Err(Error::Attach {
                         interface: name,
                         source,
@@ -225,7 +246,8 @@ impl Links {
             let mut o = object
                 .as_ref()
                 .map(|o| o.lock().unwrap_or_else(|p| p.into_inner()));
-            watch.release(o.as_mut().and_then(|o| o.classifier(program)));
+            let leave = thread_shared.leave.load(Relaxed);
+            watch.release(o.as_mut().and_then(|o| o.classifier(program)), leave);
         })
         .map_err(Error::Thread)?;
         Ok(Links {
@@ -234,6 +256,12 @@ impl Links {
             thread: Some(thread),
             _owner: owner,
         })
+    }
+
+    /// Leaves the attachments (and their pins) in place when this goes, for the next
+    /// daemon to adopt with the connections they rewrite.
+    pub fn leave(&self) {
+        self.shared.leave.store(true, Relaxed);
     }
 
     /// The attachments now, and the failures since start.
@@ -343,9 +371,12 @@ impl Attached {
             .copied()
             .collect();
         for index in gone {
-            if let Some((name, id)) = self.links.remove(&index) {
+            if let Some((name, held)) = self.links.remove(&index) {
                 // The kernel detached it with the interface; this frees our side.
-                drop(prog.take_link(id));
+                match held {
+                    Held::Owned(id) => drop(prog.take_link(id)),
+                    Held::Pinned(link) => drop(link.unpin()),
+                }
                 debug!(interface = %name, index, "interface gone");
             }
             // Its qdisc went with it.
@@ -382,7 +413,15 @@ impl Attached {
         name: &str,
     ) -> Result<(), AttachError> {
         let attached = match self.how {
-            Attach::Tcx => prog.attach(name, TcAttachType::Ingress),
+            Attach::Tcx => {
+                let id = prog.attach(name, TcAttachType::Ingress)?;
+                let held = match &self.dir {
+                    Some(dir) => Held::Pinned(pin(prog, id, &dir.link(index))?),
+                    None => Held::Owned(id),
+                };
+                self.links.insert(index, (name.to_owned(), held));
+                return Ok(());
+            }
             Attach::Netlink => {
                 if clsact::add(index).map_err(AttachError::Qdisc)? {
                     self.qdiscs.insert(index);
@@ -395,16 +434,54 @@ impl Attached {
             }
         };
         let id = attached?;
-        self.links.insert(index, (name.to_owned(), id));
+        self.links.insert(index, (name.to_owned(), Held::Owned(id)));
         Ok(())
     }
 
     /// Detaches the program from the interfaces whose clsact qdisc the daemon added
     /// (all of them go with the program anyway, when `prog` is None), then removes each
-    /// such qdisc that no other filter uses.
-    fn release(&mut self, mut prog: Option<&mut SchedClassifier>) {
+    /// such qdisc that no other filter uses; unpins the pinned links. With `leave`, it
+    /// leaves every attachment, pin and qdisc in place instead.
+    fn release(&mut self, mut prog: Option<&mut SchedClassifier>, leave: bool) {
+        if leave {
+            for (_, (_, held)) in std::mem::take(&mut self.links) {
+                match held {
+                    // Its pin holds it.
+                    Held::Pinned(link) => drop(link),
+                    // A netlink filter stays until removed; taken out of the program's
+                    // list, which would detach it when the program goes.
+                    Held::Owned(id) => {
+                        if let Some(p) = prog.as_deref_mut() {
+                            if let Ok(link) = p.take_link(id) {
+                                std::mem::forget(link);
+                            }
+                        }
+                    }
+                }
+            }
+            if let Some(dir) = &mut self.dir {
+                dir.keep();
+            }
+            self.qdiscs.clear();
+            return;
+        }
+        let pinned: Vec<u32> = self
+            .links
+            .iter()
+            .filter(|(_, (_, h))| matches!(h, Held::Pinned(_)))
+            .map(|(i, _)| *i)
+            .collect();
+        for index in pinned {
+            if let Some((_, Held::Pinned(link))) = self.links.remove(&index) {
+                if let Err(e) = link.unpin() {
+                    warn!(error = %e, "a pinned rewrite link could not be unpinned");
+                }
+            }
+        }
         for index in std::mem::take(&mut self.qdiscs) {
-            if let (Some(p), Some((_, id))) = (prog.as_deref_mut(), self.links.remove(&index)) {
+            if let (Some(p), Some((_, Held::Owned(id)))) =
+                (prog.as_deref_mut(), self.links.remove(&index))
+            {
                 // Dropping an owned link detaches it.
                 drop(p.take_link(id));
             }
@@ -424,4 +501,19 @@ impl Attached {
             }
         }
     }
+}
+
+/// Takes TCX link `id` out of the program's list and pins it at `path`: the pin then
+/// holds it, whatever becomes of this process.
+fn pin(
+    prog: &mut SchedClassifier,
+    id: SchedClassifierLinkId,
+    path: &std::path::Path,
+) -> Result<PinnedLink, AttachError> {
+    let link = prog.take_link(id)?;
+    let fd: FdLink = link
+        .try_into()
+        .map_err(|e: LinkError| AttachError::Pin(e.to_string()))?;
+    // A failed pin drops the link, which detaches it.
+    fd.pin(path).map_err(|e| AttachError::Pin(e.to_string()))
 }

@@ -76,7 +76,7 @@ pub fn remove_everywhere() {
     match nix::net::if_::if_nameindex() {
         Ok(list) => {
             for i in list.iter() {
-                remove(i.index(), &i.name().to_string_lossy());
+                remove(i.index(), &i.name().to_string_lossy(), None);
             }
         }
         Err(e) => warn!(error = %e,
@@ -84,9 +84,33 @@ pub fn remove_everywhere() {
     }
 }
 
+/// Whether program `prog_id` is a netlink filter on an interface of this thread's
+/// network namespace (one netlink dump per interface).
+pub fn filtering(prog_id: u32) -> bool {
+    let Ok(list) = nix::net::if_::if_nameindex() else {
+        return false;
+    };
+    list.iter().any(|i| {
+        clsact::ingress_bpf_filters(i.index())
+            .is_ok_and(|f| f.iter().any(|f| f.prog_id == Some(prog_id)))
+    })
+}
+
+/// Removes the filters of program `prog_id` (an adopted one whose connections ended) on
+/// every interface of this thread's network namespace. A failure is logged.
+pub fn remove_program(prog_id: u32) {
+    let Ok(list) = nix::net::if_::if_nameindex() else {
+        return;
+    };
+    for i in list.iter() {
+        remove(i.index(), &i.name().to_string_lossy(), Some(prog_id));
+    }
+}
+
 /// Removes the rewrite filters on interface `index` (`interface` names it in logs) whose
-/// program has no owner; how many it removed. A failure is logged, and leaves the filter.
-fn remove(index: u32, interface: &str) -> usize {
+/// program has no owner, or program `only`'s; how many it removed. A failure is logged,
+/// and leaves the filter.
+fn remove(index: u32, interface: &str, only: Option<u32>) -> usize {
     let filters = match clsact::ingress_bpf_filters(index) {
         Ok(f) => f,
         Err(e) => {
@@ -100,10 +124,10 @@ fn remove(index: u32, interface: &str) -> usize {
         let (Some(name), Some(id)) = (&f.name, f.prog_id) else {
             continue;
         };
-        if !name.starts_with(PREFIX) {
+        if !name.starts_with(PREFIX) || only.is_some_and(|o| o != id) {
             continue;
         }
-        match owned(id) {
+        match only.map_or_else(|| owned(id), |_| Ok(false)) {
             Ok(true) => continue,
             Ok(false) => {}
             Err(e) => {

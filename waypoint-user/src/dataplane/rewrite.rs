@@ -849,8 +849,8 @@ use grace::*;
 pub use linger::LINGER;
 use linger::*;
 pub(super) use rewritten::{HandedOver, Rewritten};
-pub(super) use tcp::can_send_resets;
 use tcp::*;
+pub(super) use tcp::{can_send_resets, send_rst};
 #[cfg(test)]
 pub(super) use tcp::{snapshot, ts_clock, Seqs};
 

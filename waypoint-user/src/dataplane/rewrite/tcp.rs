@@ -161,7 +161,11 @@ pub(in crate::dataplane) fn can_send_resets() -> io::Result<()> {
 /// Sends a reset from `from` to `to` with sequence number `seq`, through a raw socket:
 /// a rewritten connection's ends no longer talk to the waypoint's sockets, whose own
 /// resets would carry sequence numbers the ends left behind (and be ignored).
-pub(super) fn send_rst(from: SocketAddrV4, to: SocketAddrV4, seq: u32) -> io::Result<()> {
+pub(in crate::dataplane) fn send_rst(
+    from: SocketAddrV4,
+    to: SocketAddrV4,
+    seq: u32,
+) -> io::Result<()> {
     let sock = socket2::Socket::new(
         socket2::Domain::IPV4,
         socket2::Type::RAW,
