@@ -10,7 +10,7 @@ use tracing::{debug, info, warn};
 use crate::{
     admin::{Admin, Api, Readiness},
     config::Config,
-    dataplane::{adopt, choice},
+    dataplane::{adopt, choice, Dataplane},
     kubernetes,
     metrics::Metrics,
     registry::{self, etcd},
@@ -40,6 +40,10 @@ pub struct App {
     tracker: TaskTracker,
     /// The tunnel workers; they own the listeners.
     workers: Workers,
+    /// The dataplane, which leaves its rewritten connections to the next daemon.
+    dataplane: Arc<Dataplane>,
+    /// Adopts gone daemons' rewritten connections, and hands them on.
+    adopter: Arc<adopt::Adopter>,
     /// The admin server's task, which owns its listener: awaited at the end of the
     /// shutdown, so that once [`App::shutdown`] returns nothing listens on the admin
     /// address.
@@ -161,7 +165,7 @@ impl App {
         let router = Arc::new(Router::new(
             config.router(),
             store.clone(),
-            dataplane,
+            dataplane.clone(),
             router_metrics,
         ));
         if config.migrate_requests {
@@ -229,6 +233,8 @@ impl App {
             kill,
             tracker,
             workers,
+            dataplane,
+            adopter,
             admin,
         })
     }
@@ -245,6 +251,21 @@ impl App {
         // The listeners are closed once the accept loops have returned: from then on new
         // connections go to a successor bound with SO_REUSEPORT (or are refused).
         self.workers.stopped_accepting().await;
+        // Rewritten connections need no daemon: they go to the next one, not through
+        // the drain.
+        let leaving = self.dataplane.leave();
+        let (dataplane, adopter) = (self.dataplane.clone(), self.adopter.clone());
+        let handed = tokio::task::spawn_blocking(move || {
+            let own = leaving.then(|| dataplane.pass_on(HAND_OVER_WAIT));
+            let adopted = adopter.pass_on(HAND_OVER_WAIT);
+            (own, adopted)
+        })
+        .await;
+        match handed {
+            Ok((own, adopted)) => info!(own = ?own.flatten(), ?adopted,
+                "rewritten connections left to the next daemon (sockets it took: own, adopted)"),
+            Err(e) => warn!(error = %e, "handing the rewritten connections on failed"),
+        }
         self.tracker.close();
         if tokio::time::timeout(self.config.drain_timeout, self.tracker.wait())
             .await
@@ -274,6 +295,10 @@ impl Drop for App {
         self.kill.cancel();
     }
 }
+
+/// How long a leaving daemon waits for the next one to take its rewritten connections
+/// (its adopter looks every 500 ms).
+const HAND_OVER_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Runs the daemon until SIGTERM or SIGINT, then drains.
 /// The node IP this node registers (what other clusters dial) must be one the tunnel

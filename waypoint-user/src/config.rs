@@ -366,8 +366,8 @@ pub struct Config {
     /// Where in bpffs a rewriting daemon pins its program's links and map, so that its
     /// rewritten connections outlive it: the next daemon, whichever dataplane it runs,
     /// finds them there and adopts them (it looks at its start, before it dials anything,
-    /// and every 500 ms). Without a writable bpffs there, the daemon rewrites all the
-    /// same, and its rewritten connections end with it.
+    /// and every 500 ms). Without a writable bpffs there (bpffs also refuses names with a
+    /// dot), the daemon rewrites all the same, and its rewritten connections end with it.
     #[arg(long, env = "WAYPOINT_PIN_DIR", default_value = crate::dataplane::pins::DEFAULT_DIR)]
     pub pin_dir: std::path::PathBuf,
 

@@ -22,6 +22,7 @@ pub mod copy;
 pub mod ebpf;
 mod established;
 mod flows;
+mod handoff;
 pub mod links;
 mod orphans;
 mod park;
@@ -147,6 +148,9 @@ pub enum End {
     /// read, so the kernel holds back arriving bytes (see docs/ARCHITECTURE.md, "repeat
     /// check"). Both sides were aborted.
     Stranded,
+    /// The daemon left: a rewritten connection, handed to the next daemon with its
+    /// program (see `dataplane/adopt.rs`), and still open.
+    HandedOver,
 }
 
 impl End {
@@ -160,6 +164,7 @@ impl End {
             End::LifetimeExceeded => "lifetime_exceeded",
             End::Error(_) => "error",
             End::Stranded => "stranded",
+            End::HandedOver => "handed_over",
         }
     }
 }
@@ -223,6 +228,21 @@ impl Dataplane {
             Dataplane::Ebpf(_) => Kind::Ebpf,
             Dataplane::Splice(_) => Kind::Splice,
             Dataplane::Copy(_) => Kind::Copy,
+        }
+    }
+
+    /// Leaves the rewritten connections to the next daemon (see [`ebpf::Ebpf::leave`]);
+    /// whether there were any to leave (only the eBPF dataplane rewrites).
+    pub fn leave(&self) -> bool {
+        matches!(self, Dataplane::Ebpf(e) if e.leave())
+    }
+
+    /// After [`Dataplane::leave`]: hands the rewritten connections to the next daemon
+    /// (see [`ebpf::Ebpf::pass_on`]); the sockets it took, None if none came.
+    pub fn pass_on(&self, within: std::time::Duration) -> Option<usize> {
+        match self {
+            Dataplane::Ebpf(e) => e.pass_on(within),
+            _ => None,
         }
     }
 

@@ -796,8 +796,10 @@ async fn drain_on_shutdown_with_ebpf() {
     drain_on_shutdown("ebpf", "127.1.4.1").await;
 }
 
-/// The same with the default, `auto`: the connection is rewritten where the kernel
-/// carries the rewrite splice, and ended with a reset at the deadline.
+/// The same with the default, `auto`, where the kernel carries the rewrite splice: the
+/// rewritten connection needs no daemon, so the drain leaves it to the next daemon (none
+/// here) instead of ending it: it flows on after the shutdown. Where the kernel has no
+/// rewrite (5.10), it is closed at the deadline as above.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drain_on_shutdown_with_auto() {
     drain_on_shutdown("auto", "127.1.4.2").await;
@@ -806,11 +808,25 @@ async fn drain_on_shutdown_with_auto() {
 async fn drain_on_shutdown(dataplane: &str, pod_ip: &str) {
     let _pod = echo_pod(pod_ip, 15008).await;
     let file = reviews_at(pod_ip);
-    let app = start(&file, &["--dataplane", dataplane, "--drain-timeout", "2s"]).await;
+    let pin_dir = format!(
+        "/sys/fs/bpf/waypoint-test-{}-drain-{dataplane}",
+        std::process::id()
+    );
+    let args = [
+        "--dataplane",
+        dataplane,
+        "--drain-timeout",
+        "2s",
+        "--pin-dir",
+        pin_dir.as_str(),
+    ];
+    let app = start(&file, &args).await;
     let (tunnel, admin) = (app.tunnel_addr, app.admin_addr);
     let ready = app.ready.clone();
     let hello = hello_for("8080.reviews.bookinfo.mesh.local");
     let mut c = routed(tunnel, &hello).await;
+    let rewritten = "waypoint_rewrite_connections_total{result=\"rewritten\"}";
+    let rewritten = sample(admin, rewritten).await == 1.0;
 
     let shutdown = tokio::spawn(app.shutdown());
     let not_ready = async {
@@ -827,9 +843,22 @@ async fn drain_on_shutdown(dataplane: &str, pod_ip: &str) {
     let mut b = [0u8; 12];
     c.read_exact(&mut b).await.unwrap();
     assert_eq!(&b, b"during drain");
-    // ...and is closed at the deadline.
-    expect_closed(c).await;
-    tokio::time::timeout(WAIT, shutdown).await.unwrap().unwrap();
+    if rewritten {
+        // ...and after it: the daemon is gone, its program and the entries are not.
+        tokio::time::timeout(WAIT, shutdown).await.unwrap().unwrap();
+        c.write_all(b"after drain!").await.unwrap();
+        tokio::time::timeout(WAIT, c.read_exact(&mut b))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(&b, b"after drain!");
+    } else {
+        // ...and is closed at the deadline.
+        expect_closed(c).await;
+        tokio::time::timeout(WAIT, shutdown).await.unwrap().unwrap();
+    }
+    // The program goes with its pins (no daemon holds it any more).
+    let _ = std::fs::remove_dir_all(&pin_dir);
 }
 
 /// `--workers 3`: three listeners share the tunnel port; the kernel spreads connections
@@ -1108,7 +1137,20 @@ async fn rolling_restarts_refuse_no_new_connection(dataplane: &str, pod_ip: &str
     const OPENERS: usize = 4;
     let _pod = echo_pod(pod_ip, 15008).await;
     let file = reviews_at(pod_ip);
-    let args = ["--dataplane", dataplane, "--workers", "2"];
+    // Under `auto` each daemon leaves its rewritten connections to the next: in a
+    // directory of the test's own, removed at its end.
+    let pin_dir = format!(
+        "/sys/fs/bpf/waypoint-test-{}-rolling-{dataplane}",
+        std::process::id()
+    );
+    let args = [
+        "--dataplane",
+        dataplane,
+        "--workers",
+        "2",
+        "--pin-dir",
+        pin_dir.as_str(),
+    ];
     let tunnel: std::net::SocketAddr = format!("{ip}:15443").parse().unwrap();
     let admin = |n: u16| format!("{ip}:{}", 15021 + n).parse().unwrap();
     let mut daemon = spawn_on(&file, tunnel, admin(0), &args, None).await;
@@ -1183,6 +1225,7 @@ async fn rolling_restarts_refuse_no_new_connection(dataplane: &str, pod_ip: &str
     assert!(ok > 100, "the openers ran ({ok} connections)");
     let status = daemon.terminate().await;
     assert!(status.success(), "the last daemon's exit: {status}");
+    let _ = std::fs::remove_dir_all(&pin_dir);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1364,6 +1407,163 @@ async fn a_killed_daemons_connection_flows_on_and_is_adopted_with_rewrite_splice
     );
     drop(next);
     let _ = std::fs::remove_dir_all(&pin_dir);
+}
+
+/// What #38 asks of the rewrite: long-lived connections streaming both ways through a
+/// node's waypoint outlive three upgrades (the next daemon started beside the old one,
+/// the old one sent SIGTERM: it hands its connections, and its sockets to the pods, to
+/// the next) and then a SIGKILL and a restart. Every byte is checked, both ways; no
+/// read or write may fail. Each daemon in turn must hold all of them
+/// (`waypoint_adopted_connections`), and once the streams have ended, the program goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rewritten_streams_outlive_three_upgrades_and_a_kill_with_rewrite_splice() {
+    const STREAMS: usize = 6;
+    let (pod_ip, ip) = ("127.1.11.7", "127.1.11.248");
+    let pin_dir = format!("/sys/fs/bpf/waypoint-test-{}-upgrades", std::process::id());
+    let args = [
+        "--dataplane",
+        "ebpf",
+        "--rewrite-splice",
+        "--pin-dir",
+        pin_dir.as_str(),
+    ];
+    let pod = tokio::net::TcpListener::bind(format!("{pod_ip}:15008"))
+        .await
+        .unwrap();
+    let file = reviews_at(pod_ip);
+    let tunnel: std::net::SocketAddr = format!("{ip}:15443").parse().unwrap();
+    let admin = |n: u16| -> std::net::SocketAddr { format!("{ip}:{}", 15021 + n).parse().unwrap() };
+    let mut daemon = spawn_on(&file, tunnel, admin(0), &args, None).await;
+    let hello = hello_for("8080.reviews.bookinfo.mesh.local");
+    let mut pairs = Vec::new();
+    for _ in 0..STREAMS {
+        let mut c = TcpStream::connect(tunnel).await.unwrap();
+        c.write_all(&hello).await.unwrap();
+        let (mut p, _) = tokio::time::timeout(WAIT, pod.accept())
+            .await
+            .unwrap()
+            .unwrap();
+        let mut got = vec![0u8; hello.len()];
+        p.read_exact(&mut got).await.unwrap();
+        assert_eq!(got, hello);
+        pairs.push((c, p));
+    }
+    let rewritten = "waypoint_rewrite_connections_total{result=\"rewritten\"}";
+    until_sample(
+        admin(0),
+        rewritten,
+        STREAMS as f64,
+        "every stream rewritten",
+    )
+    .await;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut streams = Vec::new();
+    for (i, (c, p)) in pairs.into_iter().enumerate() {
+        let (cr, cw) = c.into_split();
+        let (pr, pw) = p.into_split();
+        let seed = i as u64;
+        streams.push((
+            tokio::spawn(stream_out(cw, seed, stop.clone())),
+            tokio::spawn(stream_in(pr, seed)),
+        ));
+        streams.push((
+            tokio::spawn(stream_out(pw, seed + 100, stop.clone())),
+            tokio::spawn(stream_in(cr, seed + 100)),
+        ));
+    }
+    for n in 1..=3u16 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let next = spawn_on(&file, tunnel, admin(n), &args, None).await;
+        let status = daemon.terminate().await;
+        assert!(
+            status.success(),
+            "upgrade {n}: the old daemon exited with {status}"
+        );
+        until_sample(
+            admin(n),
+            "waypoint_adopted_connections",
+            STREAMS as f64,
+            "the streams adopted",
+        )
+        .await;
+        daemon = next;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    drop(daemon); // SIGKILL, and waits for the exit.
+                  // No daemon at all for a while.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let last = spawn_on(&file, tunnel, admin(4), &args, None).await;
+    assert_eq!(
+        sample(admin(4), "waypoint_adopted_connections").await,
+        STREAMS as f64
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for (out, into) in streams {
+        let written = tokio::time::timeout(WAIT, out).await.unwrap().unwrap();
+        let read = tokio::time::timeout(WAIT, into).await.unwrap().unwrap();
+        assert_eq!(read, written, "a stream's reader got all its writer wrote");
+        assert!(written > 0);
+    }
+    until_sample(
+        admin(4),
+        "waypoint_adopted_programs",
+        0.0,
+        "the adopted program removed",
+    )
+    .await;
+    assert_eq!(sample(admin(4), "waypoint_adopted_resets_total").await, 0.0);
+    drop(last);
+    let _ = std::fs::remove_dir_all(&pin_dir);
+}
+
+/// The byte of a stream at `offset`: what a reader checks.
+fn stream_byte(seed: u64, offset: u64) -> u8 {
+    (offset.wrapping_mul(31).wrapping_add(seed * 7) % 251) as u8
+}
+
+/// Writes a stream in chunks of 1 to 16 KiB, paced, until `stop`; then shuts down its
+/// half. Returns the bytes written.
+async fn stream_out(
+    mut w: tokio::net::tcp::OwnedWriteHalf,
+    seed: u64,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> u64 {
+    let mut offset = 0u64;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        let len = 1024 + (rng.next_u32() as usize % (15 * 1024));
+        let chunk: Vec<u8> = (0..len as u64)
+            .map(|i| stream_byte(seed, offset + i))
+            .collect();
+        w.write_all(&chunk)
+            .await
+            .unwrap_or_else(|e| panic!("stream {seed}: write at {offset}: {e}"));
+        offset += len as u64;
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    w.shutdown().await.unwrap();
+    offset
+}
+
+/// Reads a stream to its end, checking every byte. Returns the bytes read.
+async fn stream_in(mut r: tokio::net::tcp::OwnedReadHalf, seed: u64) -> u64 {
+    let mut offset = 0u64;
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = r
+            .read(&mut buf)
+            .await
+            .unwrap_or_else(|e| panic!("stream {seed}: read at {offset}: {e}"));
+        if n == 0 {
+            return offset;
+        }
+        for (i, b) in buf[..n].iter().enumerate() {
+            let at = offset + i as u64;
+            assert_eq!(*b, stream_byte(seed, at), "stream {seed}: byte {at}");
+        }
+        offset += n as u64;
+    }
 }
 
 /// Drops the pure ACKs a pod at `pod_ip` sends from port 15008 (nft, in this

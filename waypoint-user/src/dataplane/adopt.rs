@@ -33,7 +33,7 @@ use std::{
     path::{Path, PathBuf},
     sync::{
         atomic::{AtomicBool, AtomicU64, Ordering::Relaxed},
-        Arc,
+        Arc, Mutex, MutexGuard,
     },
     time::{Duration, Instant},
 };
@@ -47,7 +47,7 @@ use waypoint_common::{Rewrite, RewriteKey, REWRITE_FIN, REWRITE_FROM_POD, REWRIT
 
 use super::background::{Background, JOIN_WITHIN};
 use super::rewrite::{send_rst, LINGER};
-use super::{bpf_cmd, orphans, pins};
+use super::{bpf_cmd, handoff, orphans, pins};
 
 /// How often the adopter looks for programs to adopt and at the connections it holds.
 pub const SCAN: Duration = Duration::from_millis(500);
@@ -104,7 +104,8 @@ struct Shared {
 #[derive(Debug)]
 pub struct Adopter {
     shared: Arc<Shared>,
-    thread: Option<Background>,
+    state: Arc<Mutex<State>>,
+    thread: Mutex<Option<Background>>,
 }
 
 impl Adopter {
@@ -119,23 +120,77 @@ impl Adopter {
             dir,
         };
         state.scan(&shared);
-        let thread_shared = shared.clone();
+        let state = Arc::new(Mutex::new(state));
+        let (thread_shared, thread_state) = (shared.clone(), state.clone());
         let thread = Background::spawn("waypoint-adopt", move || {
             while !thread_shared.stop.load(Relaxed) {
                 std::thread::park_timeout(SCAN);
                 if thread_shared.stop.load(Relaxed) {
                     break;
                 }
-                state.scan(&thread_shared);
+                lock(&thread_state).scan(&thread_shared);
             }
             // What is still held stays for the next daemon: the owner names go with
-            // `state`, the holders close silently.
+            // the state, the holders close silently.
         })
         .map_err(Error::Thread)?;
         Ok(Adopter {
             shared,
-            thread: Some(thread),
+            state,
+            thread: Mutex::new(Some(thread)),
         })
+    }
+
+    /// Stops adopting and hands what it holds to the next daemon: for each program, it
+    /// offers the connections' sockets (see `handoff.rs`), lets go of the owner name, and
+    /// waits up to `within` in all for an adopter. The sockets taken; None if it held
+    /// nothing or nobody came.
+    pub fn pass_on(&self, within: Duration) -> Option<usize> {
+        self.stop();
+        let held = std::mem::take(&mut lock(&self.state).held);
+        if held.is_empty() {
+            return None;
+        }
+        let deadline = Instant::now() + within;
+        let mut offers = Vec::new();
+        for (id, mut program) in held {
+            let sockets: Vec<(u32, OwnedFd)> = program
+                .conns
+                .iter_mut()
+                .filter_map(|(slot, c)| {
+                    let h = c.holder.take()?;
+                    h.connected.then(|| (*slot, h.into_fd()))
+                })
+                .collect();
+            let offer = handoff::Offer::listen(id)
+                .map_err(|e| warn!(prog_id = id, error = %e,
+                    "offering the adopted connections' sockets failed: the next daemon holds their ports itself"))
+                .ok();
+            // Lets go of the owner name (and this process's references; the pins stay).
+            drop(program);
+            offers.push((offer, sockets));
+        }
+        self.shared.programs.store(0, Relaxed);
+        self.shared.connections.store(0, Relaxed);
+        let mut taken = None;
+        for (offer, sockets) in offers {
+            let Some(offer) = offer else { continue };
+            match offer.give(&sockets, deadline.saturating_duration_since(Instant::now())) {
+                Ok(true) => *taken.get_or_insert(0) += sockets.len(),
+                Ok(false) => {}
+                Err(e) => warn!(error = %e, "handing the adopted connections' sockets on failed"),
+            }
+        }
+        taken
+    }
+
+    fn stop(&self) {
+        self.shared.stop.store(true, Relaxed);
+        let thread = lock(&self.thread).take();
+        if let Some(mut t) = thread {
+            t.unpark();
+            t.join(JOIN_WITHIN);
+        }
     }
 
     /// The counts now.
@@ -153,15 +208,17 @@ impl Adopter {
 
 impl Drop for Adopter {
     fn drop(&mut self) {
-        self.shared.stop.store(true, Relaxed);
-        if let Some(t) = &mut self.thread {
-            t.unpark();
-            t.join(JOIN_WITHIN);
-        }
+        self.stop();
     }
 }
 
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A scan that panicked leaves nothing half-done that the next one would trip on.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// The thread's state.
+#[derive(Debug)]
 struct State {
     config: Config,
     /// By program id.
@@ -171,6 +228,7 @@ struct State {
 }
 
 /// An adopted program.
+#[derive(Debug)]
 struct Program {
     dir: PathBuf,
     map: HashMap<MapData, RewriteKey, Rewrite>,
@@ -182,6 +240,7 @@ struct Program {
 }
 
 /// An adopted connection.
+#[derive(Debug)]
 struct Conn {
     /// B's 4-tuple: the waypoint's address and port, and the pod's.
     b_local: SocketAddrV4,
@@ -196,9 +255,31 @@ struct Conn {
     ended: Option<Instant>,
 }
 
+#[derive(Debug)]
 struct Holder {
     fd: OwnedFd,
     connected: bool,
+    /// In repair mode: closes without a packet. A B handed over by a leaving daemon may
+    /// still wait for the pod's acknowledgement of what it sent (see `silence` in
+    /// `rewrite/tcp.rs`).
+    silent: bool,
+}
+
+impl Holder {
+    fn into_fd(self) -> OwnedFd {
+        let this = std::mem::ManuallyDrop::new(self);
+        // SAFETY: `this` is never dropped nor used again; its descriptor is read out
+        // exactly once (the other fields are plain values).
+        unsafe { std::ptr::read(&this.fd) }
+    }
+}
+
+impl Drop for Holder {
+    fn drop(&mut self) {
+        // Its connection is over (its entries went first): whatever B still had to
+        // resend, no packet of it is wanted now.
+        let _ = crate::sys::setsockopt_int(self.fd.as_raw_fd(), libc::IPPROTO_TCP, TCP_REPAIR, 1);
+    }
 }
 
 /// One connection's entries, as read.
@@ -253,7 +334,7 @@ impl State {
                     info!(
                         prog_id = id,
                         connections = n,
-                        "adopted the rewritten connections of a daemon that is gone"
+                        "adopted the rewritten connections of a daemon that left or is gone"
                     );
                     self.held.insert(id, p);
                 }
@@ -337,11 +418,38 @@ impl Program {
             conns: BTreeMap::new(),
             _owner: owner,
         };
+        // A leaving daemon hands its Bs over: their ports are never free.
+        let mut received: BTreeMap<u32, OwnedFd> = match handoff::receive(id) {
+            Ok(s) => s.into_iter().collect(),
+            Err(e) => {
+                warn!(prog_id = id, error = %e,
+                    "taking the leaving daemon's sockets failed: holding their ports instead");
+                BTreeMap::new()
+            }
+        };
         let now = Instant::now();
+        let mut ended = Vec::new();
         for (slot, pair) in program.pairs() {
-            if let Some(conn) = Conn::new(&pair, now) {
+            if pair.ended() {
+                // Ended before the adoption, when is not known: its linger is cut short
+                // (a lost last ACK then costs the end that resends its FIN a reset, after
+                // both ends have closed), and its port needs no holding.
+                ended.extend(pair.client.map(|c| c.0));
+                ended.extend(pair.pod.map(|p| p.0));
+                continue;
+            }
+            if let Some(conn) = Conn::new(&pair, now, received.remove(&slot)) {
                 program.conns.insert(slot, conn);
             }
+        }
+        program.delete(&ended);
+        // Sockets of connections whose entries went meanwhile.
+        for (_, fd) in received {
+            drop(Holder {
+                fd,
+                connected: true,
+                silent: false,
+            });
         }
         Ok(program)
     }
@@ -370,7 +478,7 @@ impl Program {
                 std::collections::btree_map::Entry::Vacant(v) => {
                     // A connection the dead daemon had not handed over yet when it went:
                     // adopted now.
-                    let Some(conn) = Conn::new(pair, now) else {
+                    let Some(conn) = Conn::new(pair, now, None) else {
                         continue;
                     };
                     shared.adopted.fetch_add(1, Relaxed);
@@ -485,7 +593,8 @@ impl Pair {
 }
 
 impl Conn {
-    fn new(pair: &Pair, now: Instant) -> Option<Conn> {
+    /// `b`: the connection's B, handed over by its leaving daemon.
+    fn new(pair: &Pair, now: Instant, b: Option<OwnedFd>) -> Option<Conn> {
         // B's tuple: where the client's packets leave to, or where the pod's come to.
         let (b_local, pod) = match (&pair.client, &pair.pod) {
             (Some((_, c)), _) => (addr(c.to.saddr, c.to.sport), addr(c.to.daddr, c.to.dport)),
@@ -495,7 +604,11 @@ impl Conn {
         let mut conn = Conn {
             b_local,
             pod,
-            holder: None,
+            holder: b.map(|fd| Holder {
+                fd,
+                connected: true,
+                silent: false,
+            }),
             adopted: now,
             packets: 0,
             quiet_since: now,
@@ -505,10 +618,23 @@ impl Conn {
         Some(conn)
     }
 
-    /// Binds the holder, and connects it once B's socket is gone.
+    /// Binds the holder, and connects it once B's socket is gone; puts a handed-over B
+    /// into repair mode once the pod acknowledged all it sent.
     fn hold(&mut self) {
-        if self.holder.as_ref().is_some_and(|h| h.connected) {
-            return;
+        if let Some(h) = &mut self.holder {
+            if h.connected {
+                if !h.silent {
+                    h.silent = crate::sys::unsent_or_unacked(&h.fd).is_ok_and(|n| n == 0)
+                        && crate::sys::setsockopt_int(
+                            h.fd.as_raw_fd(),
+                            libc::IPPROTO_TCP,
+                            TCP_REPAIR,
+                            1,
+                        )
+                        .is_ok();
+                }
+                return;
+            }
         }
         if self.holder.is_none() {
             match bound(self.b_local) {
@@ -516,6 +642,7 @@ impl Conn {
                     self.holder = Some(Holder {
                         fd,
                         connected: false,
+                        silent: true,
                     })
                 }
                 Err(e) => {

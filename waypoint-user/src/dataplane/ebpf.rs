@@ -31,7 +31,7 @@ use std::{
         Arc, Mutex, MutexGuard,
     },
     task::{ready, Context, Poll},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use aya::{
@@ -52,11 +52,11 @@ use super::bpf_cmd::per_cpu_total;
 use super::established::Records;
 use super::flows::{self, FlowTable};
 use super::links;
-use super::pins;
 use super::rewrite::{self, Rewriter};
 use super::signals::{self, Signals};
 use super::tally::{Taken, Tally};
 use super::{btf, End, Kind, Limits, Outcome, Socket};
+use super::{handoff, pins};
 
 /// The eBPF object built by waypoint-user's build script from waypoint-ebpf.
 pub(super) static OBJECT: &[u8] =
@@ -668,6 +668,56 @@ impl Ebpf {
     /// because some were lost (see `signals.rs`).
     pub fn signals(&self) -> (u64, u64) {
         (self.signals.received(), self.signals.sweeps())
+    }
+
+    /// Leaves the rewritten connections to the next daemon, where the program is pinned
+    /// (see `adopt.rs`): each returns with its socket to the pod (B) put aside, its
+    /// entries and the program left in place. Whether it does: not without pins (they
+    /// then end at the drain deadline as any connection), nor without a connection to
+    /// leave (the program then goes with the daemon, as on a node the waypoint leaves).
+    pub fn leave(&self) -> bool {
+        let (Some(r), Some(l)) = (&self.rewrite, &self.links) else {
+            return false;
+        };
+        if !l.pinned() || !r.has_connections() {
+            return false;
+        }
+        l.leave();
+        r.leave();
+        true
+    }
+
+    /// After [`Ebpf::leave`]: waits (up to `within`) until every rewritten connection has
+    /// put its B aside, offers the Bs to the program's adopter (`handoff.rs`), lets go of
+    /// the program's owner name so that another daemon adopts it, and waits for one for
+    /// what is left of `within`. The sockets an adopter took; None if none came (the
+    /// Bs then close with this process, and the adopter binds their ports again).
+    pub fn pass_on(&self, within: Duration) -> Option<usize> {
+        let (Some(r), Some(l)) = (&self.rewrite, &self.links) else {
+            return None;
+        };
+        let deadline = Instant::now() + within;
+        while !r.all_left() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let sockets = r.take_left();
+        let offer = match handoff::Offer::listen(l.prog_id()) {
+            Ok(o) => Some(o),
+            Err(e) => {
+                warn!(error = %e, "offering the rewritten connections' sockets to the next daemon failed: it holds their ports itself");
+                None
+            }
+        };
+        l.release_owner();
+        let offer = offer?;
+        match offer.give(&sockets, deadline.saturating_duration_since(Instant::now())) {
+            Ok(true) => Some(sockets.len()),
+            Ok(false) => None,
+            Err(e) => {
+                warn!(error = %e, "handing the rewritten connections' sockets to the next daemon failed: it holds their ports itself");
+                None
+            }
+        }
     }
 
     /// The rewrite splice's counters and the program's statistics (in

@@ -133,8 +133,12 @@ pub struct Links {
     /// wakes the thread, which then exits.
     stop: Option<OwnedFd>,
     thread: Option<Background>,
-    /// The mark that the netlink filters' program is this live daemon's.
-    _owner: Option<orphans::Owner>,
+    /// The mark that the program is this live daemon's, until [`Links::release_owner`].
+    owner: Mutex<Option<orphans::Owner>>,
+    /// The program's id.
+    prog_id: u32,
+    /// The program's links and map are pinned (see `pins.rs`).
+    pinned: bool,
 }
 
 impl Drop for Links {
@@ -204,6 +208,8 @@ impl Links {
             dir,
         };
         let owner;
+        let prog_id;
+        let pinned = watch.dir.is_some();
         {
             let mut o = object.lock().unwrap_or_else(|p| p.into_inner());
             let prog = o.classifier(program).ok_or(Error::Missing)?;
@@ -218,6 +224,7 @@ impl Links {
                 .info()
                 .map_err(|e| Error::Owner(std::io::Error::other(e)))?
                 .id();
+            prog_id = id;
             owner = Some(orphans::Owner::hold(id).map_err(Error::Owner)?);
             for (index, name) in interfaces()? {
                 if let Err(source) = watch.attach(prog, index, &name) {
@@ -254,7 +261,9 @@ impl Links {
             shared,
             stop: Some(stop),
             thread: Some(thread),
-            _owner: owner,
+            owner: Mutex::new(owner),
+            prog_id,
+            pinned,
         })
     }
 
@@ -262,6 +271,22 @@ impl Links {
     /// daemon to adopt with the connections they rewrite.
     pub fn leave(&self) {
         self.shared.leave.store(true, Relaxed);
+    }
+
+    /// Lets go of the program's owner name: another daemon may adopt it from now on.
+    pub fn release_owner(&self) {
+        drop(self.owner.lock().unwrap_or_else(|p| p.into_inner()).take());
+    }
+
+    /// The program's id.
+    pub fn prog_id(&self) -> u32 {
+        self.prog_id
+    }
+
+    /// Whether the program's links and map are pinned: its connections can outlive this
+    /// daemon.
+    pub fn pinned(&self) -> bool {
+        self.pinned
     }
 
     /// The attachments now, and the failures since start.

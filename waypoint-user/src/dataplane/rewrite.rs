@@ -46,7 +46,7 @@ use std::{
     sync::{
         atomic::{
             AtomicBool, AtomicU32, AtomicU64, AtomicU8,
-            Ordering::{Acquire, Relaxed, Release},
+            Ordering::{Acquire, Relaxed, Release, SeqCst},
         },
         Arc, Mutex, MutexGuard,
     },
@@ -223,6 +223,12 @@ pub(super) struct Rewriter {
     /// The linger thread ([`Rewriter::start_sweeping`]), and the flag that stops it.
     sweeper: Mutex<Option<Background>>,
     stopping: AtomicBool,
+    /// The daemon leaves its connections to the next one ([`Rewriter::leave`]).
+    leaving: AtomicBool,
+    /// The Bs of the connections left, by slot, for the adopter.
+    left: Mutex<Vec<(u32, OwnedFd)>>,
+    /// Hand-overs under way and [`Rewritten`] tasks alive.
+    tasks: AtomicU64,
 }
 
 /// The program's port filter (`REWRITE_PORTS_MAP`), and the bits set in it so far, so
@@ -317,7 +323,49 @@ impl Rewriter {
             ports: Ports::new(ports),
             sweeper: Mutex::new(None),
             stopping: AtomicBool::new(false),
+            leaving: AtomicBool::new(false),
+            left: Mutex::new(Vec::new()),
+            tasks: AtomicU64::new(0),
         }
+    }
+
+    /// Leaves every rewritten connection to the next daemon: from now on each
+    /// [`Rewritten`] returns at its next poll (all are woken) with its B put aside, and
+    /// the lingering ones' Bs too, their entries left in place (see `adopt.rs`).
+    pub fn leave(&self) {
+        // Before `all_left` reads the count: a hand-over counted after that read sees
+        // the flag (`hand_over`).
+        self.leaving.store(true, SeqCst);
+        let lingering = std::mem::take(&mut *lock(&self.lingering));
+        {
+            let mut left = lock(&self.left);
+            for l in lingering {
+                // A second descriptor of B: the linger's closes (silently) as it drops.
+                match l.upstream.try_clone() {
+                    Ok(b) => left.push((l.slot, b)),
+                    Err(e) => {
+                        warn!(error = %e, "a lingering connection's socket could not be kept for the next daemon")
+                    }
+                }
+            }
+        }
+        self.signals.wake_all();
+    }
+
+    /// Whether any connection is rewritten, lingering or being handed over.
+    pub fn has_connections(&self) -> bool {
+        self.live.load(Relaxed) > 0 || self.pending.load(Relaxed) > 0
+    }
+
+    /// Whether the rewritten connections have all been put aside: no hand-over and no
+    /// [`Rewritten`] left.
+    pub fn all_left(&self) -> bool {
+        self.tasks.load(SeqCst) == 0
+    }
+
+    /// The Bs put aside by [`Rewriter::leave`], by slot.
+    pub fn take_left(&self) -> Vec<(u32, OwnedFd)> {
+        std::mem::take(&mut *lock(&self.left))
     }
 
     /// Stops and joins the rewriter's threads (linger and grace). Connections still
@@ -405,6 +453,28 @@ impl Rewriter {
     /// Steps 1 to 4 of the hand-over: the connection rewritten (to be followed by
     /// [`Rewritten`]), ended at the hand-over, or handed back untouched.
     pub async fn hand_over(
+        &self,
+        downstream: Socket,
+        upstream: Socket,
+        initial: Vec<u8>,
+    ) -> Result<Result<HandedOver, io::Error>, Refused> {
+        // Counted from here until its `Rewritten` is gone (see `Rewriter::all_left`); a
+        // daemon that leaves rewrites nothing more (in this order: see `leave`).
+        self.tasks.fetch_add(1, SeqCst);
+        let mut counted = Counted {
+            tasks: &self.tasks,
+            armed: true,
+        };
+        if self.leaving.load(SeqCst) {
+            return Err(self.refuse(Refusal::Setup, downstream, upstream, initial));
+        }
+        let result = self.hand_over_counted(downstream, upstream, initial).await;
+        // A rewritten connection's count goes to its `Rewritten`, made at once.
+        counted.armed = !matches!(result, Ok(Ok(_)));
+        result
+    }
+
+    async fn hand_over_counted(
         &self,
         downstream: Socket,
         upstream: Socket,
@@ -796,6 +866,20 @@ impl Rewriter {
             );
         }
         (c.map_or(0, |r| r.bytes), p.map_or(0, |r| r.bytes))
+    }
+}
+
+/// Takes a hand-over out of [`Rewriter::all_left`]'s count when dropped armed.
+struct Counted<'a> {
+    tasks: &'a AtomicU64,
+    armed: bool,
+}
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.tasks.fetch_sub(1, SeqCst);
+        }
     }
 }
 

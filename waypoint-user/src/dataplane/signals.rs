@@ -290,6 +290,24 @@ impl Signals {
         }
     }
 
+    /// Wakes every task waiting for a signal, as after a lost one: each looks for
+    /// itself (and registers again).
+    pub fn wake_all(&self) {
+        let mut wakers = Vec::new();
+        lock(&self.waiters).retain(|_, w| match std::mem::replace(w, Waiter::Expected) {
+            Waiter::Task(t) => {
+                wakers.push(t);
+                false
+            }
+            Waiter::Expected => false,
+            end @ Waiter::Ended(_) => {
+                *w = end;
+                true
+            }
+        });
+        wakers.into_iter().for_each(Waker::wake);
+    }
+
     /// Has `waker` woken at slot `slot`'s next signals, until [`Signals::unregister`].
     /// The caller checks its condition after this call, so that a signal sent between
     /// the check and the registration cannot be missed.

@@ -62,15 +62,32 @@ pub async fn start(file: &EndpointsFile, args: &[&str]) -> App {
     try_start(file, args).await.unwrap()
 }
 
+/// Where test daemons pin their rewrite programs, rather than the default that a node's
+/// daemon uses.
+pub const TEST_PIN_DIR: &str = "/sys/fs/bpf/waypoint-test";
+
+/// The pin directory of the daemons spawned on `ip` (see [`spawn_on`]): one per test, as
+/// each test has addresses of its own. A daemon of the same test started later adopts
+/// what a killed one left; a later run of the test adopts what this one left (its live
+/// connections' ports held until their idle timeout, their ended ones removed at once).
+pub fn test_pin_dir(ip: std::net::IpAddr) -> String {
+    // bpffs refuses names with a dot.
+    format!("{TEST_PIN_DIR}/{}", ip.to_string().replace(['.', ':'], "_"))
+}
+
 /// [`start`], returning its error.
 pub async fn try_start(file: &EndpointsFile, args: &[&str]) -> anyhow::Result<App> {
     let registry = format!("file:{}", file.0.display());
+    // The test binary's own: no daemon of another test run adopts its rewrite programs,
+    // nor it theirs (see `test_pin_dir`).
+    let pin_dir = format!("{}/{}", TEST_PIN_DIR, std::process::id());
     let defaults = [
         ("--tunnel-addr", "127.0.0.1:0"),
         ("--admin-addr", "127.0.0.1:0"),
         ("--cluster", "a"),
         ("--node-name", "n1"),
         ("--registry", registry.as_str()),
+        ("--pin-dir", pin_dir.as_str()),
     ];
     let mut argv = vec!["waypoint"];
     for (flag, value) in defaults {
@@ -244,6 +261,12 @@ pub async fn spawn_on(
             });
         }
     }
+    let pin_dir = test_pin_dir(tunnel_addr.ip());
+    let pin_args = if args.contains(&"--pin-dir") {
+        Vec::new()
+    } else {
+        vec!["--pin-dir", pin_dir.as_str()]
+    };
     let child = command
         .arg("run")
         .args(["--tunnel-addr", &tunnel_addr.to_string()])
@@ -252,6 +275,7 @@ pub async fn spawn_on(
         .arg("--registry")
         .arg(format!("file:{}", file.0.display()))
         .args(args)
+        .args(pin_args)
         .env(
             "RUST_LOG",
             std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),

@@ -231,6 +231,18 @@ impl Conn {
         self.done(end, bytes)
     }
 
+    /// The outcome of a connection left to the next daemon ([`Rewriter::leave`]): its
+    /// entries stay, its B goes aside for the adopter.
+    fn left(&mut self) -> Outcome {
+        self.unregister();
+        let bytes = self.rewriter.state(&self.addrs.entries()).bytes;
+        self.silence();
+        if let Some(b) = self.take_upstream() {
+            lock(&self.rewriter.left).push((self.slot, b));
+        }
+        self.done(End::HandedOver, bytes)
+    }
+
     pub(super) fn done(&mut self, end: End, (d2u, u2d): (u64, u64)) -> Outcome {
         self.phase = Phase::Done;
         Outcome {
@@ -257,6 +269,9 @@ impl Future for Rewritten {
                     look,
                 } => (seen, registered, look),
             };
+            if c.rewriter.leaving.load(Relaxed) {
+                return Poll::Ready(c.left());
+            }
             let rearm = c.rewriter.signals.rearm(c.slot, cx.waker());
             if let Rearm::Ended(e) = rearm {
                 // As the program saw it: no look at the entries. `rearm` unregistered
@@ -327,6 +342,10 @@ pub(super) fn reported(e: &RewriteEnd) -> Option<(End, (u64, u64))> {
 
 impl Drop for Conn {
     fn drop(&mut self) {
+        // Counted since its hand-over began (`Rewriter::hand_over`).
+        self.rewriter
+            .tasks
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
         if let Phase::Live { .. } = self.phase {
             self.unregister();
             debug!(client = %self.addrs.client, "rewritten connection ended by the daemon: both ends reset");
