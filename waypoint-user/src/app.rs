@@ -252,20 +252,14 @@ impl App {
         // connections go to a successor bound with SO_REUSEPORT (or are refused).
         self.workers.stopped_accepting().await;
         // Rewritten connections need no daemon: they go to the next one, not through
-        // the drain.
+        // the drain, which goes on meanwhile.
         let leaving = self.dataplane.leave();
         let (dataplane, adopter) = (self.dataplane.clone(), self.adopter.clone());
-        let handed = tokio::task::spawn_blocking(move || {
+        let handing = tokio::task::spawn_blocking(move || {
             let own = leaving.then(|| dataplane.pass_on(HAND_OVER_WAIT));
             let adopted = adopter.pass_on(HAND_OVER_WAIT);
             (own, adopted)
-        })
-        .await;
-        match handed {
-            Ok((own, adopted)) => info!(own = ?own.flatten(), ?adopted,
-                "rewritten connections left to the next daemon (sockets it took: own, adopted)"),
-            Err(e) => warn!(error = %e, "handing the rewritten connections on failed"),
-        }
+        });
         self.tracker.close();
         if tokio::time::timeout(self.config.drain_timeout, self.tracker.wait())
             .await
@@ -279,6 +273,11 @@ impl App {
         self.kill.cancel();
         self.tracker.wait().await;
         self.workers.join().await;
+        match handing.await {
+            Ok((own, adopted)) => info!(own = ?own.flatten(), ?adopted,
+                "rewritten connections left to the next daemon (sockets it took: own, adopted)"),
+            Err(e) => warn!(error = %e, "handing the rewritten connections on failed"),
+        }
         // It returns on `kill`; an error is a panic in it, already reported.
         let _ = (&mut self.admin).await;
         info!("stopped");

@@ -146,6 +146,7 @@ impl World {
             }
         }
         topology::teardown().context("removing an earlier run's namespaces")?;
+        mount_pin_fs().context("mounting the daemons' bpffs")?;
         let _ = std::fs::remove_dir_all(&opts.run_dir);
         std::fs::create_dir_all(opts.run_dir.join("logs"))
             .with_context(|| format!("creating {}", opts.run_dir.display()))?;
@@ -372,6 +373,9 @@ impl World {
             // The pods' links carry 1450-byte packets, the underlay 1500 (see topology).
             "--tunnel-mss".into(),
             "auto".into(),
+            // Removed with the world: the rewrite programs a killed daemon leaves.
+            "--pin-dir".into(),
+            PIN_DIR.into(),
         ]
         .into_iter()
         .chain(self.opts.daemon_extra.iter().cloned())
@@ -759,6 +763,28 @@ table netdev wp_dup {{
     }
 }
 
+/// Where the world's daemons pin their rewrite programs (`--pin-dir`): a bpffs of the
+/// harness's own, since `ip netns exec` gives each daemon a /sys without the host's.
+const PIN_FS: &str = "/run/waypoint-e2e-bpffs";
+const PIN_DIR: &str = "/run/waypoint-e2e-bpffs/waypoint";
+
+/// Mounts bpffs at [`PIN_FS`], unless one is there: a daemon started through `ip netns
+/// exec` sees it (that remounts /sys only).
+fn mount_pin_fs() -> anyhow::Result<()> {
+    let mounts = std::fs::read_to_string("/proc/self/mounts")?;
+    if mounts.lines().any(|l| l.split(' ').nth(1) == Some(PIN_FS)) {
+        return Ok(());
+    }
+    std::fs::create_dir_all(PIN_FS)?;
+    let status = std::process::Command::new("mount")
+        .args(["-t", "bpf", "bpf", PIN_FS])
+        .status()?;
+    if !status.success() {
+        bail!("mount -t bpf bpf {PIN_FS}: {status}");
+    }
+    Ok(())
+}
+
 impl Drop for World {
     fn drop(&mut self) {
         if self.keep {
@@ -772,6 +798,8 @@ impl Drop for World {
         if let Err(e) = topology::teardown() {
             eprintln!("teardown failed: {e} (run `waypoint-e2e cleanup`)");
         }
+        // Unpinned, the rewrite programs the killed daemons left go.
+        let _ = std::fs::remove_dir_all(PIN_DIR);
         let _ = std::fs::remove_dir_all(Path::new("/dev/shm").join("waypoint-e2e-etcd"));
     }
 }
