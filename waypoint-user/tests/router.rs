@@ -1306,31 +1306,17 @@ async fn a_killed_daemons_connection_flows_on_with_rewrite_splice_after_a_late_a
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_daemons_connection_flows_on_and_is_adopted_with_rewrite_splice() {
     let (pod_ip, ip) = ("127.1.11.6", "127.1.11.249");
-    let pin_dir = format!("/sys/fs/bpf/waypoint-test-{}-adopt", std::process::id());
-    let args = [
-        "--dataplane",
-        "ebpf",
-        "--rewrite-splice",
-        "--pin-dir",
-        pin_dir.as_str(),
-    ];
+    let args = ["--dataplane", "ebpf", "--rewrite-splice"];
     let pod = tokio::net::TcpListener::bind(format!("{pod_ip}:15008"))
         .await
         .unwrap();
     let file = reviews_at(pod_ip);
     let tunnel: std::net::SocketAddr = format!("{ip}:15443").parse().unwrap();
     let admin: std::net::SocketAddr = format!("{ip}:15021").parse().unwrap();
+    let pin_dir = common::daemon::test_pin_dir(tunnel.ip());
+    let _ = std::fs::remove_dir_all(&pin_dir);
     let daemon = spawn_on(&file, tunnel, admin, &args, None).await;
-    let hello = hello_for("8080.reviews.bookinfo.mesh.local");
-    let mut c = TcpStream::connect(tunnel).await.unwrap();
-    c.write_all(&hello).await.unwrap();
-    let (mut p, _) = tokio::time::timeout(WAIT, pod.accept())
-        .await
-        .unwrap()
-        .unwrap();
-    let mut got = vec![0u8; hello.len()];
-    p.read_exact(&mut got).await.unwrap();
-    assert_eq!(got, hello);
+    let (mut c, mut p) = through_to(tunnel, &pod).await;
     let rewritten = "waypoint_rewrite_connections_total{result=\"rewritten\"}";
     until_sample(admin, rewritten, 1.0, "the connection rewritten").await;
     let mut round = 0u32;
@@ -1419,34 +1405,19 @@ async fn a_killed_daemons_connection_flows_on_and_is_adopted_with_rewrite_splice
 async fn rewritten_streams_outlive_three_upgrades_and_a_kill_with_rewrite_splice() {
     const STREAMS: usize = 6;
     let (pod_ip, ip) = ("127.1.11.7", "127.1.11.248");
-    let pin_dir = format!("/sys/fs/bpf/waypoint-test-{}-upgrades", std::process::id());
-    let args = [
-        "--dataplane",
-        "ebpf",
-        "--rewrite-splice",
-        "--pin-dir",
-        pin_dir.as_str(),
-    ];
+    let args = ["--dataplane", "ebpf", "--rewrite-splice"];
     let pod = tokio::net::TcpListener::bind(format!("{pod_ip}:15008"))
         .await
         .unwrap();
     let file = reviews_at(pod_ip);
     let tunnel: std::net::SocketAddr = format!("{ip}:15443").parse().unwrap();
     let admin = |n: u16| -> std::net::SocketAddr { format!("{ip}:{}", 15021 + n).parse().unwrap() };
+    let pin_dir = common::daemon::test_pin_dir(tunnel.ip());
+    let _ = std::fs::remove_dir_all(&pin_dir);
     let mut daemon = spawn_on(&file, tunnel, admin(0), &args, None).await;
-    let hello = hello_for("8080.reviews.bookinfo.mesh.local");
     let mut pairs = Vec::new();
     for _ in 0..STREAMS {
-        let mut c = TcpStream::connect(tunnel).await.unwrap();
-        c.write_all(&hello).await.unwrap();
-        let (mut p, _) = tokio::time::timeout(WAIT, pod.accept())
-            .await
-            .unwrap()
-            .unwrap();
-        let mut got = vec![0u8; hello.len()];
-        p.read_exact(&mut got).await.unwrap();
-        assert_eq!(got, hello);
-        pairs.push((c, p));
+        pairs.push(through_to(tunnel, &pod).await);
     }
     let rewritten = "waypoint_rewrite_connections_total{result=\"rewritten\"}";
     until_sample(
@@ -1515,6 +1486,25 @@ async fn rewritten_streams_outlive_three_upgrades_and_a_kill_with_rewrite_splice
     assert_eq!(sample(admin(4), "waypoint_adopted_resets_total").await, 0.0);
     drop(last);
     let _ = std::fs::remove_dir_all(&pin_dir);
+}
+
+/// A connection through the waypoint at `tunnel` to the pod listening on `pod`: the
+/// client sends its hello, and the pod must read it. Returns (client, pod).
+async fn through_to(
+    tunnel: std::net::SocketAddr,
+    pod: &tokio::net::TcpListener,
+) -> (TcpStream, TcpStream) {
+    let hello = hello_for("8080.reviews.bookinfo.mesh.local");
+    let mut c = TcpStream::connect(tunnel).await.unwrap();
+    c.write_all(&hello).await.unwrap();
+    let (mut p, _) = tokio::time::timeout(WAIT, pod.accept())
+        .await
+        .unwrap()
+        .unwrap();
+    let mut got = vec![0u8; hello.len()];
+    p.read_exact(&mut got).await.unwrap();
+    assert_eq!(got, hello);
+    (c, p)
 }
 
 /// The byte of a stream at `offset`: what a reader checks.
@@ -1643,16 +1633,7 @@ async fn killed_mid_connection(args: &[&str], pod_ip: &str, ip: &str, late_ack: 
     let admin: std::net::SocketAddr = format!("{ip}:15021").parse().unwrap();
     let daemon = spawn_on(&file, tunnel, admin, args, None).await;
     let drop_acks = late_ack.then(|| DropPodAcks::new(pod_ip));
-    let hello = hello_for("8080.reviews.bookinfo.mesh.local");
-    let mut c = TcpStream::connect(tunnel).await.unwrap();
-    c.write_all(&hello).await.unwrap();
-    let (mut p, _) = tokio::time::timeout(WAIT, pod.accept())
-        .await
-        .unwrap()
-        .unwrap();
-    let mut got = vec![0u8; hello.len()];
-    p.read_exact(&mut got).await.unwrap();
-    assert_eq!(got, hello);
+    let (mut c, mut p) = through_to(tunnel, &pod).await;
     if let Some(drop_acks) = drop_acks {
         let series = "waypoint_rewrite_unacknowledged";
         until_sample(admin, series, 1.0, "the hello unacknowledged").await;

@@ -272,18 +272,7 @@ impl Signals {
             }
             if sweep {
                 self.sweeps.fetch_add(1, Relaxed);
-                // Every registration goes but the ends waiting for their tasks.
-                lock(&self.waiters).retain(|_, w| match std::mem::replace(w, Waiter::Expected) {
-                    Waiter::Task(t) => {
-                        wakers.push(t);
-                        false
-                    }
-                    Waiter::Expected => false,
-                    end @ Waiter::Ended(_) => {
-                        *w = end;
-                        true
-                    }
-                });
+                self.take_waiting(&mut wakers);
             }
             // Outside the lock: a woken task may register again at once.
             wakers.drain(..).for_each(Waker::wake);
@@ -294,6 +283,14 @@ impl Signals {
     /// itself (and registers again).
     pub fn wake_all(&self) {
         let mut wakers = Vec::new();
+        self.take_waiting(&mut wakers);
+        wakers.into_iter().for_each(Waker::wake);
+    }
+
+    /// Takes every registration but the ends waiting for their tasks, the tasks' wakers
+    /// into `wakers` (to be woken outside the lock: a woken task may register again at
+    /// once).
+    fn take_waiting(&self, wakers: &mut Vec<Waker>) {
         lock(&self.waiters).retain(|_, w| match std::mem::replace(w, Waiter::Expected) {
             Waiter::Task(t) => {
                 wakers.push(t);
@@ -305,7 +302,6 @@ impl Signals {
                 true
             }
         });
-        wakers.into_iter().for_each(Waker::wake);
     }
 
     /// Has `waker` woken at slot `slot`'s next signals, until [`Signals::unregister`].
