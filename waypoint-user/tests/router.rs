@@ -808,10 +808,9 @@ async fn drain_on_shutdown_with_auto() {
 async fn drain_on_shutdown(dataplane: &str, pod_ip: &str) {
     let _pod = echo_pod(pod_ip, 15008).await;
     let file = reviews_at(pod_ip);
-    let pin_dir = format!(
-        "/sys/fs/bpf/waypoint-test-{}-drain-{dataplane}",
-        std::process::id()
-    );
+    // A directory of the test's own (start's default is shared by the binary's daemons),
+    // removed at its end.
+    let pin_dir = common::daemon::test_pin_dir(pod_ip.parse().unwrap());
     let args = [
         "--dataplane",
         dataplane,
@@ -1137,20 +1136,7 @@ async fn rolling_restarts_refuse_no_new_connection(dataplane: &str, pod_ip: &str
     const OPENERS: usize = 4;
     let _pod = echo_pod(pod_ip, 15008).await;
     let file = reviews_at(pod_ip);
-    // Under `auto` each daemon leaves its rewritten connections to the next: in a
-    // directory of the test's own, removed at its end.
-    let pin_dir = format!(
-        "/sys/fs/bpf/waypoint-test-{}-rolling-{dataplane}",
-        std::process::id()
-    );
-    let args = [
-        "--dataplane",
-        dataplane,
-        "--workers",
-        "2",
-        "--pin-dir",
-        pin_dir.as_str(),
-    ];
+    let args = ["--dataplane", dataplane, "--workers", "2"];
     let tunnel: std::net::SocketAddr = format!("{ip}:15443").parse().unwrap();
     let admin = |n: u16| format!("{ip}:{}", 15021 + n).parse().unwrap();
     let mut daemon = spawn_on(&file, tunnel, admin(0), &args, None).await;
@@ -1225,7 +1211,9 @@ async fn rolling_restarts_refuse_no_new_connection(dataplane: &str, pod_ip: &str
     assert!(ok > 100, "the openers ran ({ok} connections)");
     let status = daemon.terminate().await;
     assert!(status.success(), "the last daemon's exit: {status}");
-    let _ = std::fs::remove_dir_all(&pin_dir);
+    // Under `auto` each daemon left its rewritten connections to the next (in the
+    // directory `spawn_on` gives the test's address); the last one's go with it.
+    let _ = std::fs::remove_dir_all(common::daemon::test_pin_dir(tunnel.ip()));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
