@@ -48,6 +48,9 @@ pub struct App {
     /// shutdown, so that once [`App::shutdown`] returns nothing listens on the admin
     /// address.
     admin: tokio::task::JoinHandle<()>,
+    /// Stops the admin server: last, after the hand-over of the rewritten connections,
+    /// so that metrics and `/readyz` (503) answer for as long as the process runs.
+    admin_stop: CancellationToken,
 }
 
 impl App {
@@ -191,14 +194,15 @@ impl App {
 
         let admin = Admin::bind(config.admin_addr).await?;
         let admin_addr = admin.local_addr()?;
-        // The admin server outlives the drain (metrics stay scrapable); it stops on kill.
+        // The admin server outlives the drain and the hand-over (metrics stay scrapable).
         let api = Arc::new(Api {
             store: store.clone(),
             viewer: config.viewer(),
             registry: etcd_health,
             dataplane: chosen.to_string(),
         });
-        let admin = tokio::spawn(admin.serve(metrics, ready.clone(), api, kill.clone()));
+        let admin_stop = CancellationToken::new();
+        let admin = tokio::spawn(admin.serve(metrics, ready.clone(), api, admin_stop.clone()));
 
         // Ready: listener bound, dataplane chosen, store synced. etcd may not be reachable
         // yet: readiness then follows the first sync (liveness never waits for etcd).
@@ -236,6 +240,7 @@ impl App {
             dataplane,
             adopter,
             admin,
+            admin_stop,
         })
     }
 
@@ -278,7 +283,8 @@ impl App {
                 "rewritten connections left to the next daemon (sockets it took: own, adopted)"),
             Err(e) => warn!(error = %e, "handing the rewritten connections on failed"),
         }
-        // It returns on `kill`; an error is a panic in it, already reported.
+        self.admin_stop.cancel();
+        // It returns on `admin_stop`; an error is a panic in it, already reported.
         let _ = (&mut self.admin).await;
         info!("stopped");
     }
@@ -292,6 +298,7 @@ impl Drop for App {
         self.stop.cancel();
         self.tracker.close();
         self.kill.cancel();
+        self.admin_stop.cancel();
     }
 }
 
