@@ -395,6 +395,11 @@ pub const REWRITE_PORTS_MAP: &str = "REWRITE_PORTS";
 pub const PORT_CLIENT_TO: u8 = 1;
 /// [`REWRITE_PORTS_MAP`]: pods send from this port.
 pub const PORT_POD_FROM: u8 = 2;
+/// [`REWRITE_PORTS_MAP`], at index 0 only (port 0, which no connection uses, and whose
+/// other bits stay clear): the program's map of connections is pinned in bpffs, so the
+/// program belongs to the next daemon that reads that pin directory, which adopts it.
+/// The daemon that finds a netlink filter no one owns leaves such a program in place.
+pub const PORTS_PINNED: u8 = 0x80;
 
 impl RewriteStat {
     /// Every statistic, in index order.

@@ -1076,6 +1076,11 @@ fn without_tcx_the_program_sits_on_clsact_qdiscs_the_daemon_adds() {
 /// A dataplane whose rewrite program is attached through netlink (see
 /// [`without_tcx_the_program_sits_on_clsact_qdiscs_the_daemon_adds`]).
 fn load_netlink() -> (Arc<Dataplane>, Arc<ebpf::Ebpf>) {
+    load_netlink_pinned_in(waypoint::dataplane::pins::DEFAULT_DIR)
+}
+
+/// The same, pinned under `pin_dir`.
+fn load_netlink_pinned_in(pin_dir: &str) -> (Arc<Dataplane>, Arc<ebpf::Ebpf>) {
     let e = Arc::new(
         ebpf::Ebpf::load(ebpf::Config {
             move_after: 0,
@@ -1084,6 +1089,7 @@ fn load_netlink() -> (Arc<Dataplane>, Arc<ebpf::Ebpf>) {
                 tc_netlink: true,
                 ..ebpf::Hooks::default()
             },
+            pin_dir: pin_dir.into(),
             ..ebpf::Config::default()
         })
         .expect("the rewrite program attaches through netlink"),
@@ -1113,20 +1119,28 @@ fn ingress_filters_on_lo() -> usize {
 }
 
 /// Set in the child process of
-/// [`without_tcx_the_next_daemon_removes_the_filter_a_killed_one_left`].
+/// [`without_tcx_the_next_daemon_removes_the_filter_a_killed_one_left`]: `pinned`, or
+/// `unpinned` (its bpffs directory cannot be made).
 const KILLED_CHILD: &str = "WAYPOINT_TEST_KILLED_DAEMON";
 
 /// A netlink filter outlives the daemon that added it when that daemon is killed with
-/// SIGKILL (no destructor runs), and so do its entries: the next daemon removes it at
-/// its start, whichever dataplane it runs, and a rewriting one then rewrites through
-/// its own. A live daemon's filter
-/// it leaves (the test above: two daemons side by side). The killed daemon is this test
-/// binary run again, as a child, in this test's network namespace.
+/// SIGKILL (no destructor runs), and so do its entries. When its map could not be
+/// pinned, nobody can adopt its connections: the next daemon removes it at its start,
+/// whichever dataplane it runs, and a rewriting one then rewrites through its own. When
+/// it is pinned, it is left to the adopter (which takes it, finds no connection, and
+/// removes it), however many daemons start meanwhile. A live daemon's filter it leaves
+/// (the test above: two daemons side by side). The killed daemon is this test binary
+/// run again, as a child, in this test's network namespace.
 #[test]
 fn without_tcx_the_next_daemon_removes_the_filter_a_killed_one_left() {
     common::require_root();
-    if std::env::var_os(KILLED_CHILD).is_some() {
-        let _kept = load_netlink();
+    if let Some(how) = std::env::var_os(KILLED_CHILD) {
+        let pin_dir = if how == "pinned" {
+            waypoint::dataplane::pins::DEFAULT_DIR
+        } else {
+            "/dev/null/no-pins"
+        };
+        let _kept = load_netlink_pinned_in(pin_dir);
         println!("ready");
         // Killed long before this.
         std::thread::sleep(Duration::from_secs(60));
@@ -1134,14 +1148,14 @@ fn without_tcx_the_next_daemon_removes_the_filter_a_killed_one_left() {
     }
     nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).expect("unshare(CLONE_NEWNET)");
     ip(&["link", "set", "lo", "up"]);
-    let killed = || {
+    let killed = |how: &str| {
         let mut child = std::process::Command::new(std::env::current_exe().unwrap())
             .args([
                 "without_tcx_the_next_daemon_removes_the_filter_a_killed_one_left",
                 "--exact",
                 "--nocapture",
             ])
-            .env(KILLED_CHILD, "1")
+            .env(KILLED_CHILD, how)
             .stdout(std::process::Stdio::piped())
             .spawn()
             .unwrap();
@@ -1155,21 +1169,24 @@ fn without_tcx_the_next_daemon_removes_the_filter_a_killed_one_left() {
         child.wait().unwrap();
         assert_eq!(ingress_filters_on_lo(), 1, "the filter outlives its daemon");
     };
+    let copy_starts = || {
+        let (copy, _) = waypoint::dataplane::choice::choose(
+            waypoint::dataplane::Kind::Copy,
+            ebpf::Config::default(),
+            64 * 1024,
+        )
+        .unwrap();
+        drop(copy);
+    };
     // A daemon without the rewrite removes it too: its dials are as exposed.
-    killed();
-    let (copy, _) = waypoint::dataplane::choice::choose(
-        waypoint::dataplane::Kind::Copy,
-        ebpf::Config::default(),
-        64 * 1024,
-    )
-    .unwrap();
+    killed("unpinned");
+    copy_starts();
     assert_eq!(
         ingress_filters_on_lo(),
         0,
         "removed by a copy dataplane's start"
     );
-    drop(copy);
-    killed();
+    killed("unpinned");
     let (dp, e) = load_netlink();
     assert_eq!(
         ingress_filters_on_lo(),
@@ -1179,6 +1196,35 @@ fn without_tcx_the_next_daemon_removes_the_filter_a_killed_one_left() {
     runtime().block_on(rewritten_echo(dp, &e));
     drop(e);
     assert_eq!(ingress_filters_on_lo(), 0);
+
+    // Pinned: daemons that start leave it, whichever dataplane they run.
+    killed("pinned");
+    copy_starts();
+    let (_dp, e) = load_netlink_pinned_in("/dev/null/no-pins");
+    assert_eq!(
+        ingress_filters_on_lo(),
+        2,
+        "a pinned program's filter is left to its adopter"
+    );
+    drop((_dp, e));
+    assert_eq!(ingress_filters_on_lo(), 1);
+    // The adopter of its directory takes it, finds no connection, and removes it.
+    let adopter = waypoint::dataplane::adopt::Adopter::start(waypoint::dataplane::adopt::Config {
+        idle_timeout: Duration::from_secs(60),
+        max_lifetime: None,
+        pin_dir: waypoint::dataplane::pins::DEFAULT_DIR.into(),
+    })
+    .unwrap();
+    assert_eq!(adopter.counts().refused, 0);
+    assert_eq!(ingress_filters_on_lo(), 0, "the adopter removed it");
+    let dir =
+        waypoint::dataplane::pins::namespace_dir(waypoint::dataplane::pins::DEFAULT_DIR.as_ref())
+            .unwrap();
+    assert_eq!(
+        std::fs::read_dir(dir).map_or(0, |d| d.count()),
+        0,
+        "and its pins"
+    );
 }
 
 /// One connection over `lo`, rewritten: 200 echoes and a close.

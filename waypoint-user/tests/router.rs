@@ -857,7 +857,7 @@ async fn drain_on_shutdown(dataplane: &str, pod_ip: &str) {
         tokio::time::timeout(WAIT, shutdown).await.unwrap().unwrap();
     }
     // The program goes with its pins (no daemon holds it any more).
-    let _ = std::fs::remove_dir_all(&pin_dir);
+    common::daemon::remove_pins(&pin_dir);
 }
 
 /// `--workers 3`: three listeners share the tunnel port; the kernel spreads connections
@@ -1213,7 +1213,7 @@ async fn rolling_restarts_refuse_no_new_connection(dataplane: &str, pod_ip: &str
     assert!(status.success(), "the last daemon's exit: {status}");
     // Under `auto` each daemon left its rewritten connections to the next (in the
     // directory `spawn_on` gives the test's address); the last one's go with it.
-    let _ = std::fs::remove_dir_all(common::daemon::test_pin_dir(tunnel.ip()));
+    common::daemon::remove_pins(&common::daemon::test_pin_dir(tunnel.ip()));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1302,7 +1302,7 @@ async fn a_killed_daemons_connection_flows_on_and_is_adopted_with_rewrite_splice
     let tunnel: std::net::SocketAddr = format!("{ip}:15443").parse().unwrap();
     let admin: std::net::SocketAddr = format!("{ip}:15021").parse().unwrap();
     let pin_dir = common::daemon::test_pin_dir(tunnel.ip());
-    let _ = std::fs::remove_dir_all(&pin_dir);
+    common::daemon::remove_pins(&pin_dir);
     let daemon = spawn_on(&file, tunnel, admin, &args, None).await;
     let (mut c, mut p) = through_to(tunnel, &pod).await;
     let rewritten = "waypoint_rewrite_connections_total{result=\"rewritten\"}";
@@ -1380,7 +1380,7 @@ async fn a_killed_daemons_connection_flows_on_and_is_adopted_with_rewrite_splice
         "only the next daemon's own program is pinned"
     );
     drop(next);
-    let _ = std::fs::remove_dir_all(&pin_dir);
+    common::daemon::remove_pins(&pin_dir);
 }
 
 /// What #38 asks of the rewrite: long-lived connections streaming both ways through a
@@ -1401,7 +1401,7 @@ async fn rewritten_streams_outlive_three_upgrades_and_a_kill_with_rewrite_splice
     let tunnel: std::net::SocketAddr = format!("{ip}:15443").parse().unwrap();
     let admin = |n: u16| -> std::net::SocketAddr { format!("{ip}:{}", 15021 + n).parse().unwrap() };
     let pin_dir = common::daemon::test_pin_dir(tunnel.ip());
-    let _ = std::fs::remove_dir_all(&pin_dir);
+    common::daemon::remove_pins(&pin_dir);
     let mut daemon = spawn_on(&file, tunnel, admin(0), &args, None).await;
     let mut pairs = Vec::new();
     for _ in 0..STREAMS {
@@ -1473,7 +1473,7 @@ async fn rewritten_streams_outlive_three_upgrades_and_a_kill_with_rewrite_splice
     .await;
     assert_eq!(sample(admin(4), "waypoint_adopted_resets_total").await, 0.0);
     drop(last);
-    let _ = std::fs::remove_dir_all(&pin_dir);
+    common::daemon::remove_pins(&pin_dir);
 }
 
 /// A connection through the waypoint at `tunnel` to the pod listening on `pod`: the

@@ -42,10 +42,10 @@ use aya::{
 use futures::future::Either;
 use tracing::{debug, info, warn};
 use waypoint_common::{
-    Rewrite, RewriteKey, RewriteStat, Stat, ENDS_MAP, FLOWS_MAP, PEERS_MAP, POD_PORT, REWRITES_MAP,
-    REWRITE_FILLS_MAP, REWRITE_PORTS_MAP, REWRITE_PROG, REWRITE_STATS_MAP, SIGNALS_MAP,
-    SKB_SEQ_OFFSET, SKB_SK_OFFSET, SLOTS_MAP, SOCK_OPS_SK_OFFSET, STATS_MAP, TCP_COPIED_SEQ_OFFSET,
-    TCP_TSOFFSET_OFFSET, VERDICT_PROG,
+    Rewrite, RewriteKey, RewriteStat, Stat, ENDS_MAP, FLOWS_MAP, PEERS_MAP, POD_PORT, PORTS_PINNED,
+    REWRITES_MAP, REWRITE_FILLS_MAP, REWRITE_PORTS_MAP, REWRITE_PROG, REWRITE_STATS_MAP,
+    SIGNALS_MAP, SKB_SEQ_OFFSET, SKB_SK_OFFSET, SLOTS_MAP, SOCK_OPS_SK_OFFSET, STATS_MAP,
+    TCP_COPIED_SEQ_OFFSET, TCP_TSOFFSET_OFFSET, VERDICT_PROG,
 };
 
 use super::bpf_cmd::per_cpu_total;
@@ -515,7 +515,7 @@ impl Ebpf {
         prog.attach(peers.fd())?;
         let rewrite = if config.rewrite_splice {
             let map = take(&mut loaded, REWRITES_MAP)?;
-            let ports: Array<MapData, u8> = take(&mut loaded, REWRITE_PORTS_MAP)?
+            let mut ports: Array<MapData, u8> = take(&mut loaded, REWRITE_PORTS_MAP)?
                 .try_into()
                 .map_err(|e| map_error(REWRITE_PORTS_MAP, e))?;
             let aya::maps::Map::PerCpuArray(rstats) = take(&mut loaded, REWRITE_STATS_MAP)? else {
@@ -542,7 +542,7 @@ impl Ebpf {
             }
             rewrite::can_send_resets().map_err(Error::RawSocket)?;
             prog.load().map_err(Error::Rewrite)?;
-            let dir = pin_rewrites(&config.pin_dir, prog, &map);
+            let dir = pin_rewrites(&config.pin_dir, prog, &map, &mut ports);
             let map: HashMap<MapData, RewriteKey, Rewrite> =
                 map.try_into().map_err(|e| map_error(REWRITES_MAP, e))?;
             let records = match Records::attach(&mut loaded) {
@@ -857,13 +857,15 @@ impl Drop for Ebpf {
     }
 }
 
-/// Creates the rewrite program's directory in bpffs and pins its map there (see
-/// `pins.rs`). Without bpffs (or a writable one) the daemon's rewritten connections end
-/// with it: logged, and None.
+/// Creates the rewrite program's directory in bpffs, pins its map there (see
+/// `pins.rs`), and marks the program as pinned ([`PORTS_PINNED`]): the daemon that
+/// finds its netlink filter with no owner leaves it to the adopter. Without bpffs (or a
+/// writable one) the daemon's rewritten connections end with it: logged, and None.
 fn pin_rewrites(
     root: &std::path::Path,
     prog: &SchedClassifier,
     map: &aya::maps::Map,
+    ports: &mut Array<MapData, u8>,
 ) -> Option<pins::ProgramDir> {
     let pinned = prog
         .info()
@@ -873,6 +875,12 @@ fn pin_rewrites(
             map.pin(dir.path().join(pins::REWRITES_PIN))
                 .map(|()| dir)
                 .map_err(|e| e.to_string())
+        })
+        .and_then(|dir| {
+            ports
+                .set(0, PORTS_PINNED, 0)
+                .map(|()| dir)
+                .map_err(|e| format!("marking the program as pinned: {e}"))
         });
     match pinned {
         Ok(dir) => Some(dir),

@@ -13,13 +13,21 @@
 //! namespace, whatever its PID namespace (every daemon of a node runs in the host's).
 //! Every daemon, whichever dataplane it runs, removes at its start the rewrite filters
 //! whose program no one owns ([`remove_everywhere`]), and a rewriting one again right
-//! before its first attachment (a test loads the dataplane without the daemon's start). Their connections then end at their next packet:
-//! the client's and the pod's reach sockets that are gone, and are answered with a reset.
+//! before its first attachment (a test loads the dataplane without the daemon's start).
+//! Their connections then end at their next packet: the client's and the pod's reach
+//! sockets that are gone, and are answered with a reset.
+//!
+//! Except a program whose map is pinned (see `pins.rs`): its daemon marked it so
+//! ([`PORTS_PINNED`]), and the adopter of its pin directory takes its connections over
+//! (see `adopt.rs`). Between a daemon's end and its successor's adoption no one owns
+//! it; a daemon starting then, or one that pins elsewhere, leaves it in place.
 
 use std::{io, os::fd::OwnedFd};
 
+use aya::maps::{Array, Map, MapData, MapError, MapInfo};
 use nix::sys::socket::{self, AddressFamily, SockFlag, SockType, UnixAddr};
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
+use waypoint_common::{PORTS_PINNED, REWRITE_PORTS_MAP};
 
 use super::clsact;
 
@@ -69,6 +77,36 @@ fn owned(prog_id: u32) -> io::Result<bool> {
     }
 }
 
+/// Whether program `prog_id` carries the mark of a pinned one ([`PORTS_PINNED`] in its
+/// `REWRITE_PORTS`): its connections are kept for the next daemon of its pin directory,
+/// which adopts them. Found through the program's map ids: a walk of the loaded
+/// programs, then a few `bpf` calls (only for a filter no one owns).
+fn pinned(prog_id: u32) -> Result<bool, String> {
+    let info = aya::programs::loaded_programs()
+        .filter_map(Result::ok)
+        .find(|p| p.id() == prog_id)
+        .ok_or("the program is not loaded")?;
+    let ids = info
+        .map_ids()
+        .map_err(|e| e.to_string())?
+        .ok_or("the kernel does not tell a program's maps")?;
+    for id in ids {
+        let Ok(map) = MapInfo::from_id(id) else {
+            continue;
+        };
+        if map.name_as_str() != Some(REWRITE_PORTS_MAP) {
+            continue;
+        }
+        let data = MapData::from_id(id).map_err(|e| e.to_string())?;
+        let ports: Array<MapData, u8> = Map::Array(data)
+            .try_into()
+            .map_err(|e: MapError| e.to_string())?;
+        let mark = ports.get(&0, 0).map_err(|e| e.to_string())?;
+        return Ok(mark & PORTS_PINNED != 0);
+    }
+    Err(format!("the program has no {REWRITE_PORTS_MAP}"))
+}
+
 /// Removes the rewrite filters no one owns on every interface of this thread's network
 /// namespace: at the start of every daemon, whichever dataplane it runs (one netlink
 /// dump per interface). A failure is logged.
@@ -108,7 +146,7 @@ pub fn remove_program(prog_id: u32) {
 }
 
 /// Removes the rewrite filters on interface `index` (`interface` names it in logs) whose
-/// program has no owner, or program `only`'s; how many it removed. A failure is logged,
+/// program has no owner and is not pinned, or program `only`'s; how many it removed. A failure is logged,
 /// and leaves the filter.
 fn remove(index: u32, interface: &str, only: Option<u32>) -> usize {
     let filters = match clsact::ingress_bpf_filters(index) {
@@ -127,13 +165,26 @@ fn remove(index: u32, interface: &str, only: Option<u32>) -> usize {
         if !name.starts_with(PREFIX) || only.is_some_and(|o| o != id) {
             continue;
         }
-        match only.map_or_else(|| owned(id), |_| Ok(false)) {
-            Ok(true) => continue,
-            Ok(false) => {}
-            Err(e) => {
-                warn!(interface, prog_id = id, error = %e,
-                    "could not tell whether a rewrite filter's daemon lives; left");
-                continue;
+        if only.is_none() {
+            match owned(id) {
+                Ok(true) => continue,
+                Ok(false) => {}
+                Err(e) => {
+                    warn!(interface, prog_id = id, error = %e,
+                        "could not tell whether a rewrite filter's daemon lives; left");
+                    continue;
+                }
+            }
+            match pinned(id) {
+                Ok(true) => {
+                    debug!(interface, prog_id = id,
+                        "a gone daemon's rewrite filter is pinned: left to the daemon that adopts it");
+                    continue;
+                }
+                Ok(false) => {}
+                // Removed: a filter no one ends would rewrite new connections' packets.
+                Err(e) => warn!(interface, prog_id = id, error = %e,
+                    "could not tell whether a gone daemon's rewrite program is pinned; removed"),
             }
         }
         match clsact::remove_filter(&f) {

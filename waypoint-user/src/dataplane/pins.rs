@@ -102,3 +102,30 @@ pub fn program_id(dir: &Path) -> Option<u32> {
         .parse()
         .ok()
 }
+
+/// Removes the rewrite programs pinned under `root` (in this thread's network
+/// namespace) whose daemon is gone, with their connections (they end at their next
+/// packet): what an uninstall does, and a test that leaves no state behind. A program
+/// a live daemon or adopter owns is left. How many it removed; a failure is logged.
+pub fn remove_unowned(root: &Path) -> usize {
+    let Ok(entries) = namespace_dir(root).and_then(std::fs::read_dir) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let Some(id) = program_id(&path) else {
+            continue;
+        };
+        // Held while its filters go: no adopter takes it meanwhile.
+        let Ok(_owner) = super::orphans::Owner::hold(id) else {
+            continue;
+        };
+        // A TCX link goes with its pin (nothing else holds it); a netlink filter must be
+        // removed.
+        super::orphans::remove_program(id);
+        remove(&path);
+        removed += 1;
+    }
+    removed
+}

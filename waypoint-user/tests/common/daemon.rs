@@ -75,6 +75,14 @@ pub fn test_pin_dir(ip: std::net::IpAddr) -> String {
     format!("{TEST_PIN_DIR}/{}", ip.to_string().replace(['.', ':'], "_"))
 }
 
+/// Removes what the daemons pinned under `pin_dir` and left (their programs, with their
+/// netlink filters on kernels without TCX, which removing the directory would leave),
+/// then the directory.
+pub fn remove_pins(pin_dir: &str) {
+    waypoint::dataplane::pins::remove_unowned(pin_dir.as_ref());
+    let _ = std::fs::remove_dir_all(pin_dir);
+}
+
 /// [`start`], returning its error.
 pub async fn try_start(file: &EndpointsFile, args: &[&str]) -> anyhow::Result<App> {
     let registry = format!("file:{}", file.0.display());
