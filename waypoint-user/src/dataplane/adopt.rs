@@ -676,3 +676,33 @@ fn bound(local: SocketAddrV4) -> io::Result<OwnedFd> {
 fn addr(ip: u32, port: u16) -> SocketAddrV4 {
     SocketAddrV4::new(Ipv4Addr::from(ip.to_ne_bytes()), u16::from_be(port))
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, reason = "tests")]
+    use super::*;
+
+    /// A daemon's directory is never taken for a gone daemon's, not even in the moment
+    /// between its making and the program's attachment: its owner name is held first.
+    #[test]
+    fn a_live_daemons_new_directory_is_left_alone() {
+        let root = std::env::temp_dir().join(format!("waypoint-adopt-test-{}", std::process::id()));
+        let id = u32::MAX - 3 - u32::from(std::process::id() as u16);
+        let dir = pins::ProgramDir::create(&root, id).unwrap();
+        // Its scan at start runs before this returns.
+        let adopter = Adopter::start(Config {
+            idle_timeout: Duration::from_secs(60),
+            max_lifetime: None,
+            pin_dir: root.clone(),
+        })
+        .unwrap();
+        assert!(
+            dir.path().exists(),
+            "the adopter removed a live daemon's directory"
+        );
+        assert_eq!(adopter.counts().programs, 0);
+        drop(adopter);
+        drop(dir);
+        std::fs::remove_dir_all(root).unwrap();
+    }
+}

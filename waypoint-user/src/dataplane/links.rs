@@ -225,7 +225,10 @@ impl Links {
                 .map_err(|e| Error::Owner(std::io::Error::other(e)))?
                 .id();
             prog_id = id;
-            owner = Some(orphans::Owner::hold(id).map_err(Error::Owner)?);
+            owner = Some(match watch.dir.as_mut().and_then(ProgramDir::take_owner) {
+                Some(o) => o,
+                None => orphans::Owner::hold(id).map_err(Error::Owner)?,
+            });
             for (index, name) in interfaces()? {
                 if let Err(source) = watch.attach(prog, index, &name) {
                     watch.release(Some(prog), false);

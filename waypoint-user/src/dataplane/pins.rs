@@ -50,14 +50,29 @@ pub fn namespace_dir(root: &Path) -> io::Result<PathBuf> {
 pub struct ProgramDir {
     path: PathBuf,
     keep: bool,
+    /// The program's owner name, taken before the directory is made, until the links
+    /// take it ([`ProgramDir::take_owner`]).
+    owner: Option<super::orphans::Owner>,
 }
 
 impl ProgramDir {
-    /// Creates the directory of program `prog_id` under `root` (and its parents).
+    /// Creates the directory of program `prog_id` under `root` (and its parents), its
+    /// owner name held first: an adopter that saw the directory before the name was
+    /// taken would take it for a gone daemon's, and remove it.
     pub fn create(root: &Path, prog_id: u32) -> io::Result<ProgramDir> {
+        let owner = super::orphans::Owner::hold(prog_id)?;
         let path = namespace_dir(root)?.join(format!("{PROGRAM_PREFIX}{prog_id}"));
         std::fs::create_dir_all(&path)?;
-        Ok(ProgramDir { path, keep: false })
+        Ok(ProgramDir {
+            path,
+            keep: false,
+            owner: Some(owner),
+        })
+    }
+
+    /// The program's owner name, for whoever marks the program as live from now on.
+    pub fn take_owner(&mut self) -> Option<super::orphans::Owner> {
+        self.owner.take()
     }
 
     /// The directory.
