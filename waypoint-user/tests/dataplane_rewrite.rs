@@ -855,7 +855,7 @@ async fn full_map_refuses_to_the_sockhash_path() {
     assert_eq!(counts.rewritten, 1, "{counts:?}");
     assert_eq!(
         counts.refused,
-        [0, 0, 0, 1, 0],
+        [0, 0, 0, 1, 0, 0],
         "refused for lack of room (setup)"
     );
     assert_eq!(
@@ -945,7 +945,7 @@ async fn pod_that_speaks_first(close_after_banner: bool) {
     }
     let (counts, _) = e.rewrite_counts().unwrap();
     assert_eq!(counts.rewritten, 0, "{counts:?}");
-    assert_eq!(counts.refused, [0, 0, 1, 0, 0], "refused as busy");
+    assert_eq!(counts.refused, [0, 0, 1, 0, 0, 0], "refused as busy");
     drop(c);
     drop(s);
     let o = common::next_outcome(&mut proxy, Duration::from_secs(30)).await;
@@ -1225,6 +1225,111 @@ fn without_tcx_the_next_daemon_removes_the_filter_a_killed_one_left() {
         0,
         "and its pins"
     );
+}
+
+/// Set in the child process of [`another_layouts_pins_are_refused_and_removed`].
+const LAYOUT_CHILD: &str = "WAYPOINT_TEST_LAYOUT_DAEMON";
+
+/// A killed daemon's pins in a layout this daemon does not read, by name (a later
+/// version's `rewrites-v2`) or by its entries' sizes (another map pinned as
+/// `rewrites-v1`): the adopter refuses the program, counts it, and removes it with its
+/// directory, rather than read entries it would misunderstand. The killed daemon is
+/// this test binary run again, as a child, in this test's network namespace; its
+/// program is attached however the kernel attaches it (TCX, or a netlink filter).
+#[test]
+fn another_layouts_pins_are_refused_and_removed() {
+    common::require_root();
+    use waypoint::dataplane::{adopt, pins};
+    if std::env::var_os(LAYOUT_CHILD).is_some() {
+        let _kept = ebpf::Ebpf::load(ebpf::Config {
+            move_after: 0,
+            rewrite_splice: true,
+            ..ebpf::Config::default()
+        })
+        .expect("the rewrite program loads");
+        println!("ready");
+        // Killed long before this.
+        std::thread::sleep(Duration::from_secs(60));
+        return;
+    }
+    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).expect("unshare(CLONE_NEWNET)");
+    ip(&["link", "set", "lo", "up"]);
+    let root: &std::path::Path = pins::DEFAULT_DIR.as_ref();
+    let killed = || -> (u32, std::path::PathBuf) {
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "another_layouts_pins_are_refused_and_removed",
+                "--exact",
+                "--nocapture",
+            ])
+            .env(LAYOUT_CHILD, "1")
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let ready = std::io::BufRead::lines(std::io::BufReader::new(stdout))
+            .map_while(Result::ok)
+            .any(|l| l == "ready");
+        assert!(ready, "the child loaded its program");
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let dirs: Vec<_> = std::fs::read_dir(pins::namespace_dir(root).unwrap())
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        assert_eq!(dirs.len(), 1, "the killed daemon's pins: {dirs:?}");
+        let dir = dirs.into_iter().next().unwrap();
+        (pins::program_id(&dir).unwrap(), dir)
+    };
+    let refused_and_removed = |id: u32, dir: &std::path::Path| {
+        let adopter = adopt::Adopter::start(adopt::Config {
+            idle_timeout: Duration::from_secs(60),
+            max_lifetime: None,
+            pin_dir: root.into(),
+        })
+        .unwrap();
+        let counts = adopter.counts();
+        assert_eq!((counts.refused, counts.programs), (1, 0));
+        assert!(!dir.exists(), "its directory went");
+        // Nothing holds the program any more: the kernel frees it.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while aya::programs::loaded_programs().any(|p| p.is_ok_and(|p| p.id() == id)) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "program {id} still loaded"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+
+    // A later version's name.
+    let (id, dir) = killed();
+    std::fs::rename(dir.join(pins::REWRITES_PIN), dir.join("rewrites-v2")).unwrap();
+    refused_and_removed(id, &dir);
+
+    // The name this daemon reads, over entries of other sizes: another of the
+    // program's maps (REWRITE_FILLS: the same key, a u32 value).
+    let (id, dir) = killed();
+    std::fs::remove_file(dir.join(pins::REWRITES_PIN)).unwrap();
+    let program = aya::programs::loaded_programs()
+        .filter_map(Result::ok)
+        .find(|p| p.id() == id)
+        .unwrap();
+    let fills = program
+        .map_ids()
+        .unwrap()
+        .unwrap()
+        .into_iter()
+        .find(|m| {
+            aya::maps::MapInfo::from_id(*m).unwrap().name_as_str()
+                == Some(waypoint_common::REWRITE_FILLS_MAP)
+        })
+        .unwrap();
+    aya::maps::MapData::from_id(fills)
+        .unwrap()
+        .pin(dir.join(pins::REWRITES_PIN))
+        .unwrap();
+    refused_and_removed(id, &dir);
 }
 
 /// One connection over `lo`, rewritten: 200 echoes and a close.

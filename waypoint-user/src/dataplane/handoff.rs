@@ -238,4 +238,42 @@ mod tests {
             assert_eq!(u32::from_ne_bytes(b) + 7, slot);
         }
     }
+
+    /// A leaving daemon of another protocol version, or one whose message's descriptors
+    /// do not match its slots: the adopter takes nothing, with an error that says why
+    /// (it then holds the ports itself, as after a kill).
+    #[test]
+    fn another_version_or_a_malformed_message_is_refused() {
+        let id = u32::MAX - 2 - u32::from(std::process::id() as u16);
+        let leaving = |first: &'static [u8], second: Option<(&'static [u8], usize)>| {
+            let offer = Offer::listen(id).unwrap();
+            std::thread::spawn(move || {
+                let raw = socket::accept(offer.listener.as_raw_fd()).unwrap();
+                // SAFETY: accept returned a new descriptor that nothing else owns.
+                let conn = unsafe { OwnedFd::from_raw_fd(raw) };
+                send(&conn, first, &[]).unwrap();
+                if let Some((slots, n)) = second {
+                    let pipes: Vec<_> = (0..n).map(|_| nix::unistd::pipe().unwrap()).collect();
+                    let fds: Vec<RawFd> = pipes.iter().map(|(r, _)| r.as_raw_fd()).collect();
+                    send(&conn, slots, &fds).unwrap();
+                }
+                // Held until the adopter has read (it closes its end).
+                let mut b = [0u8; 1];
+                let _ = socket::recv(conn.as_raw_fd(), &mut b, MsgFlags::empty());
+            })
+        };
+        let next = leaving(b"waypoint-rewrite-handoff/2", None);
+        match receive(id) {
+            Err(Error::Version(v)) => assert_eq!(v, "waypoint-rewrite-handoff/2"),
+            other => panic!("expected a version refusal, got {other:?}"),
+        }
+        next.join().unwrap();
+        // Two slots, three descriptors.
+        let bad = leaving(HELLO, Some((&[0u8; 8], 3)));
+        match receive(id) {
+            Err(Error::Malformed { slots: 8, fds: 3 }) => {}
+            other => panic!("expected a malformed message, got {other:?}"),
+        }
+        bad.join().unwrap();
+    }
 }
