@@ -241,7 +241,7 @@ impl Collector for DataplaneCollector {
             "dataplane_path",
             "Connections by the path they took, once it was final, and why not the faster \
              one: rewrite (qualified); redirect, the SockHash (rewrite_off, or the \
-             rewrite's refusal: not_ipv4, options, busy, setup, local); copy (short: ended \
+             rewrite's refusal: not_ipv4, options, busy, setup, local, leaving); copy (short: ended \
              before --move-after; fallback: could not enter the SockHash; dataplane: the \
              copy dataplane); splice (dataplane)",
             self.dataplane.paths().into_iter().map(|(t, n)| {
@@ -297,7 +297,7 @@ impl Collector for DataplaneCollector {
                     &mut encoder,
                     "rewrite_connections",
                     "Connections offered to the rewrite (--rewrite-splice): rewritten; \
-                     refused_* = handed to the SockHash (not_ipv4, options, busy, setup, local); \
+                     refused_* = handed to the SockHash (not_ipv4, options, busy, setup, local, leaving); \
                      filled = rewritten, and the waypoint's socket carried bytes the client \
                      sent during the hand-over; stranded = a packet reached the waypoint's \
                      socket during the hand-over that it could not carry, both ends reset",

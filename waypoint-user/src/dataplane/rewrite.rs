@@ -97,16 +97,20 @@ pub enum Refusal {
     /// would arrive on another interface than lo with one of this host's addresses as its
     /// source, which the stack drops as a martian.
     Local,
+    /// The daemon is leaving (SIGTERM): it rewrites nothing more, and the connection
+    /// drains on the SockHash.
+    Leaving,
 }
 
 impl Refusal {
     /// Every reason, for metrics.
-    pub const ALL: [Refusal; 5] = [
+    pub const ALL: [Refusal; 6] = [
         Refusal::NotIpv4,
         Refusal::Options,
         Refusal::Busy,
         Refusal::Setup,
         Refusal::Local,
+        Refusal::Leaving,
     ];
 
     /// A short label for logs.
@@ -117,6 +121,7 @@ impl Refusal {
             Refusal::Busy => "busy",
             Refusal::Setup => "setup",
             Refusal::Local => "local",
+            Refusal::Leaving => "leaving",
         }
     }
 
@@ -128,6 +133,7 @@ impl Refusal {
             Refusal::Busy => "refused_busy",
             Refusal::Setup => "refused_setup",
             Refusal::Local => "refused_local",
+            Refusal::Leaving => "refused_leaving",
         }
     }
 }
@@ -466,7 +472,7 @@ impl Rewriter {
             armed: true,
         };
         if self.leaving.load(SeqCst) {
-            return Err(self.refuse(Refusal::Setup, downstream, upstream, initial));
+            return Err(self.refuse(Refusal::Leaving, downstream, upstream, initial));
         }
         let result = self.hand_over_counted(downstream, upstream, initial).await;
         // A rewritten connection's count goes to its `Rewritten`, made at once.

@@ -46,7 +46,7 @@ pub enum Taken {
 
 impl Taken {
     /// Every value, in [`Taken::index`] order.
-    pub const ALL: [Taken; 11] = [
+    pub const ALL: [Taken; 12] = [
         Taken::Rewritten,
         Taken::Redirected(None),
         Taken::Redirected(Some(Refusal::ALL[0])),
@@ -54,6 +54,7 @@ impl Taken {
         Taken::Redirected(Some(Refusal::ALL[2])),
         Taken::Redirected(Some(Refusal::ALL[3])),
         Taken::Redirected(Some(Refusal::ALL[4])),
+        Taken::Redirected(Some(Refusal::ALL[5])),
         Taken::CopiedShort,
         Taken::CopiedFallback,
         Taken::Spliced,
@@ -67,10 +68,10 @@ impl Taken {
             Taken::Rewritten => 0,
             Taken::Redirected(None) => 1,
             Taken::Redirected(Some(r)) => 2 + r as usize,
-            Taken::CopiedShort => 7,
-            Taken::CopiedFallback => 8,
-            Taken::Spliced => 9,
-            Taken::Copied => 10,
+            Taken::CopiedShort => 8,
+            Taken::CopiedFallback => 9,
+            Taken::Spliced => 10,
+            Taken::Copied => 11,
         }
     }
 
