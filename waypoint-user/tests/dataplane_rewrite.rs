@@ -1149,24 +1149,10 @@ fn without_tcx_the_next_daemon_removes_the_filter_a_killed_one_left() {
     nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).expect("unshare(CLONE_NEWNET)");
     ip(&["link", "set", "lo", "up"]);
     let killed = |how: &str| {
-        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-            .args([
-                "without_tcx_the_next_daemon_removes_the_filter_a_killed_one_left",
-                "--exact",
-                "--nocapture",
-            ])
-            .env(KILLED_CHILD, how)
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        let stdout = child.stdout.take().unwrap();
-        let ready = std::io::BufRead::lines(std::io::BufReader::new(stdout))
-            .map_while(Result::ok)
-            .any(|l| l == "ready");
-        assert!(ready, "the child attached its filter");
-        assert_eq!(ingress_filters_on_lo(), 1);
-        child.kill().unwrap();
-        child.wait().unwrap();
+        let test = "without_tcx_the_next_daemon_removes_the_filter_a_killed_one_left";
+        run_then_kill(test, (KILLED_CHILD, how), || {
+            assert_eq!(ingress_filters_on_lo(), 1)
+        });
         assert_eq!(ingress_filters_on_lo(), 1, "the filter outlives its daemon");
     };
     let copy_starts = || {
@@ -1256,23 +1242,8 @@ fn another_layouts_pins_are_refused_and_removed() {
     ip(&["link", "set", "lo", "up"]);
     let root: &std::path::Path = pins::DEFAULT_DIR.as_ref();
     let killed = || -> (u32, std::path::PathBuf) {
-        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-            .args([
-                "another_layouts_pins_are_refused_and_removed",
-                "--exact",
-                "--nocapture",
-            ])
-            .env(LAYOUT_CHILD, "1")
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        let stdout = child.stdout.take().unwrap();
-        let ready = std::io::BufRead::lines(std::io::BufReader::new(stdout))
-            .map_while(Result::ok)
-            .any(|l| l == "ready");
-        assert!(ready, "the child loaded its program");
-        child.kill().unwrap();
-        child.wait().unwrap();
+        let test = "another_layouts_pins_are_refused_and_removed";
+        run_then_kill(test, (LAYOUT_CHILD, "1"), || {});
         let dirs: Vec<_> = std::fs::read_dir(pins::namespace_dir(root).unwrap())
             .unwrap()
             .map(|e| e.unwrap().path())
@@ -1330,6 +1301,26 @@ fn another_layouts_pins_are_refused_and_removed() {
         .pin(dir.join(pins::REWRITES_PIN))
         .unwrap();
     refused_and_removed(id, &dir);
+}
+
+/// Runs `test` of this binary again, as a child with the environment variable `env`,
+/// waits for it to print `ready` (its program loaded), runs `then`, and kills it with
+/// SIGKILL: a daemon that ends with no destructor run.
+fn run_then_kill(test: &str, env: (&str, &str), then: impl FnOnce()) {
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([test, "--exact", "--nocapture"])
+        .env(env.0, env.1)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let ready = std::io::BufRead::lines(std::io::BufReader::new(stdout))
+        .map_while(Result::ok)
+        .any(|l| l == "ready");
+    assert!(ready, "the child loaded its program");
+    then();
+    child.kill().unwrap();
+    child.wait().unwrap();
 }
 
 /// One connection over `lo`, rewritten: 200 echoes and a close.
