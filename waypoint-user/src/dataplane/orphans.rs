@@ -22,7 +22,7 @@
 //! (see `adopt.rs`). Between a daemon's end and its successor's adoption no one owns
 //! it; a daemon starting then, or one that pins elsewhere, leaves it in place.
 
-use std::{io, os::fd::OwnedFd};
+use std::{collections::BTreeMap, io, os::fd::OwnedFd};
 
 use aya::maps::{Array, Map, MapData, MapError, MapInfo};
 use nix::sys::socket::{self, AddressFamily, SockFlag, SockType, UnixAddr};
@@ -113,8 +113,15 @@ fn pinned(prog_id: u32) -> Result<bool, String> {
 pub fn remove_everywhere() {
     match nix::net::if_::if_nameindex() {
         Ok(list) => {
+            // A pinned program's filter sits on every interface: its mark is read once.
+            let mut pinned_ids = BTreeMap::new();
             for i in list.iter() {
-                remove(i.index(), &i.name().to_string_lossy(), None);
+                remove(
+                    i.index(),
+                    &i.name().to_string_lossy(),
+                    None,
+                    &mut pinned_ids,
+                );
             }
         }
         Err(e) => warn!(error = %e,
@@ -141,14 +148,25 @@ pub fn remove_program(prog_id: u32) {
         return;
     };
     for i in list.iter() {
-        remove(i.index(), &i.name().to_string_lossy(), Some(prog_id));
+        remove(
+            i.index(),
+            &i.name().to_string_lossy(),
+            Some(prog_id),
+            &mut BTreeMap::new(),
+        );
     }
 }
 
 /// Removes the rewrite filters on interface `index` (`interface` names it in logs) whose
-/// program has no owner and is not pinned, or program `only`'s; how many it removed. A failure is logged,
+/// program has no owner and is not pinned (`pinned_ids` keeps what was read of the
+/// marks), or program `only`'s; how many it removed. A failure is logged,
 /// and leaves the filter.
-fn remove(index: u32, interface: &str, only: Option<u32>) -> usize {
+fn remove(
+    index: u32,
+    interface: &str,
+    only: Option<u32>,
+    pinned_ids: &mut BTreeMap<u32, Result<bool, String>>,
+) -> usize {
     let filters = match clsact::ingress_bpf_filters(index) {
         Ok(f) => f,
         Err(e) => {
@@ -175,7 +193,7 @@ fn remove(index: u32, interface: &str, only: Option<u32>) -> usize {
                     continue;
                 }
             }
-            match pinned(id) {
+            match pinned_ids.entry(id).or_insert_with(|| pinned(id)) {
                 Ok(true) => {
                     debug!(interface, prog_id = id,
                         "a gone daemon's rewrite filter is pinned: left to the daemon that adopts it");
