@@ -304,7 +304,7 @@ impl Drop for App {
 
 /// How long a leaving daemon waits for the next one to take its rewritten connections
 /// (its adopter looks every 500 ms).
-const HAND_OVER_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+pub const HAND_OVER_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Runs the daemon until SIGTERM or SIGINT, then drains.
 /// The node IP this node registers (what other clusters dial) must be one the tunnel

@@ -231,6 +231,33 @@ fn daemonset_runs_privileged_enough_and_no_more() {
     assert!(help.status.success(), "waypoint prepare-node: {help:?}");
 }
 
+/// A rolling update surges: the new pod runs (and its adopter looks for programs every
+/// 500 ms) before the old one gets SIGTERM, and no node is left without a waypoint. The
+/// old one then has time to drain and to hand its rewritten connections over before
+/// kubelet's SIGKILL; SIGTERM itself starts the hand-over, so no `preStop` is needed.
+#[test]
+fn updates_surge_and_leave_time_to_hand_over() {
+    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+    let ds = daemonset();
+    let strategy = ds.spec.update_strategy.clone().unwrap();
+    assert_eq!(strategy.type_.as_deref(), Some("RollingUpdate"));
+    let rolling = strategy.rolling_update.unwrap();
+    assert_eq!(rolling.max_surge, Some(IntOrString::Int(1)));
+    assert_eq!(rolling.max_unavailable, Some(IntOrString::Int(0)));
+    let spec = ds.spec.template.spec.clone().unwrap();
+    assert!(spec.containers[0].lifecycle.is_none(), "no preStop hook");
+    let cm: ConfigMap = load("configmap.yaml");
+    let config = config_from_env(&environment(&container(&ds), &cm));
+    let grace = std::time::Duration::from_secs(
+        u64::try_from(spec.termination_grace_period_seconds.unwrap()).unwrap(),
+    );
+    assert!(
+        grace > config.drain_timeout + waypoint::app::HAND_OVER_WAIT,
+        "grace {grace:?}, drain {:?}",
+        config.drain_timeout
+    );
+}
+
 #[test]
 fn bpffs_is_mounted() {
     let ds = daemonset();
