@@ -499,3 +499,13 @@ mod pod {
     #[allow(unsafe_code, reason = "aya::Pod is an unsafe marker trait")]
     unsafe impl aya::Pod for super::Established {}
 }
+
+/// The program that moves a closing tunnel listener's queued connections to the newest
+/// daemon's listeners (waypoint-ebpf's `reuseport` object).
+pub const MIGRATE_PROG: &str = "waypoint_migrate";
+/// Its REUSEPORT_SOCKARRAY: the listeners of the daemon that attached it, one per worker.
+pub const LISTENERS_MAP: &str = "LISTENERS";
+/// Its global: how many entries `LISTENERS` has (set by the loader).
+pub const LISTENER_COUNT: &str = "LISTENER_COUNT";
+/// The most listeners (workers) one daemon puts in `LISTENERS`.
+pub const MAX_LISTENERS: u32 = 1024;

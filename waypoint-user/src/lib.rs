@@ -11,6 +11,7 @@ pub mod envoy;
 pub mod horizon;
 pub mod kubernetes;
 pub mod metrics;
+pub mod migrate;
 pub mod model;
 pub mod registry;
 pub mod router;
