@@ -79,6 +79,7 @@ impl App {
         let dataplane = Arc::new(dataplane);
         let mut metrics = Metrics::new(dataplane.clone(), &chosen);
         metrics.register_adopter(adopter.clone());
+        let migration = metrics.register_migration();
         let router_metrics = router::Metrics::new(metrics.registry_mut());
         let registry_metrics = registry::metrics::Metrics::new(metrics.registry_mut());
         let kubernetes_metrics = if config.kubernetes {
@@ -183,6 +184,7 @@ impl App {
                 workers: workers::count(usize::from(config.workers)),
                 pin: config.pin_workers,
                 mss,
+                migrate: config.migrate_requests,
             },
             config.tunnel_addr,
             &router,
@@ -191,6 +193,7 @@ impl App {
             &tracker,
         )?;
         let tunnel_addr = workers.local_addr();
+        migration.set(i64::from(workers.migrates()));
 
         let admin = Admin::bind(config.admin_addr).await?;
         let admin_addr = admin.local_addr()?;

@@ -330,13 +330,15 @@ pub struct Config {
     #[arg(long, env = "WAYPOINT_PIN_WORKERS")]
     pub pin_workers: bool,
 
-    /// Turn on `net.ipv4.tcp_migrate_req` at start (Linux 5.14 and later; it holds for
-    /// the whole network namespace). A listener that closes then hands the connections
-    /// in its queue (completed by the kernel, or waiting for their first bytes under
-    /// TCP_DEFER_ACCEPT) to another listener of its SO_REUSEPORT group, such as the
-    /// next daemon's in a rolling update, instead of resetting them. Where it cannot be
-    /// written (a read-only /proc/sys, an older kernel) the daemon warns and runs on.
-    /// `=false` leaves the setting alone.
+    /// Move a closing tunnel listener's queued connections (completed by the kernel, or
+    /// waiting for their first bytes under TCP_DEFER_ACCEPT) to another listener of its
+    /// SO_REUSEPORT group, such as the next daemon's in a rolling update, instead of
+    /// resetting them (Linux 5.14 and later). Two ways, both at start: a reuseport eBPF
+    /// program that sends them to the newest daemon's listeners, once each (needs
+    /// CAP_BPF), and `net.ipv4.tcp_migrate_req` turned on (for the whole network
+    /// namespace), under which the kernel's hash picks among every listener still
+    /// open. Where either cannot be had (no CAP_BPF, a read-only /proc/sys, an older
+    /// kernel) the daemon warns and runs on. `=false` does neither.
     #[arg(
         long,
         env = "WAYPOINT_MIGRATE_REQUESTS",

@@ -93,6 +93,20 @@ impl Metrics {
             .register_collector(Box::new(AdoptCollector { adopter }));
     }
 
+    /// Registers `waypoint_migration_program`, which the caller sets once the tunnel
+    /// listeners are up (see `migrate.rs`).
+    pub fn register_migration(&mut self) -> Gauge {
+        let attached = Gauge::default();
+        self.registry.register(
+            "migration_program",
+            "1 when the reuseport program that moves a closing listener's queued \
+             connections to this daemon's tunnel listeners is attached to their group, 0 \
+             when not (--migrate-requests=false, Linux before 5.14, no CAP_BPF)",
+            attached.clone(),
+        );
+        attached
+    }
+
     /// The registry, for subsystems to register their own metrics.
     pub fn registry_mut(&mut self) -> &mut Registry {
         &mut self.registry

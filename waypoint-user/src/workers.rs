@@ -144,12 +144,17 @@ pub struct Listen {
     /// pods' links carry smaller packets than the node's: the rewrite splice needs both
     /// sides of a connection to advertise one MSS (see `--tunnel-mss`).
     pub mss: Option<u32>,
+    /// Attach the migration program to the listeners' group, so that the connections
+    /// queued on a closing listener move to these listeners (see `migrate.rs`).
+    pub migrate: bool,
 }
 
 /// The running workers.
 pub struct Workers {
     workers: Vec<Worker>,
     addr: SocketAddr,
+    /// Held for the daemon's life (see `migrate.rs`).
+    migration: Option<crate::migrate::Migration>,
 }
 
 impl Workers {
@@ -186,6 +191,20 @@ impl Workers {
         for worker in 1..n {
             listeners.push(bind(addr, cpu_of(worker))?);
         }
+        let migration = if listen_as.migrate {
+            match crate::migrate::attach(&listeners) {
+                Ok(m) => {
+                    info!("a closing listener's queued connections move to this daemon's listeners (reuseport program attached)");
+                    Some(m)
+                }
+                Err(e) => {
+                    warn!(error = %e, "the migration program could not be attached: a closing listener's queued connections move where net.ipv4.tcp_migrate_req sends them, if it is on");
+                    None
+                }
+            }
+        } else {
+            None
+        };
         // Every runtime and listener registration first, so that a failure leaves
         // nothing running.
         let mut ready = Vec::with_capacity(n);
@@ -246,7 +265,16 @@ impl Workers {
             }
         }
         info!(workers = n, pinned = listen_as.pin, mss = ?listen_as.mss, %addr, dataplane = router.dataplane_kind().as_str(), "tunnel listeners accepting");
-        Ok(Workers { workers, addr })
+        Ok(Workers {
+            workers,
+            addr,
+            migration,
+        })
+    }
+
+    /// Whether the migration program is attached to the listeners' group.
+    pub fn migrates(&self) -> bool {
+        self.migration.is_some()
     }
 
     /// The address every worker listens on.
@@ -417,6 +445,7 @@ mod tests {
                 workers: n,
                 pin: true,
                 mss: None,
+                migrate: false,
             },
             "127.0.0.1:0".parse().unwrap(),
             &router,

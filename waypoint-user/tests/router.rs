@@ -1127,9 +1127,9 @@ async fn overlapping_restart_binds_the_same_ports() {
 /// binds beside the old one (SO_REUSEPORT), the old one drains, and not one new
 /// connection fails. A closed listener's queue (connections the kernel completed but
 /// the daemon had not accepted yet, and with TCP_DEFER_ACCEPT those whose first bytes
-/// had not come) moves to the successor's listener (`net.ipv4.tcp_migrate_req`, which
-/// the daemon turns on); without it the kernel resets them, 1 or 2 of some 27,000
-/// connections here in 2 of 3 runs.
+/// had not come) moves to the successor's listener (the daemon's reuseport program, and
+/// `net.ipv4.tcp_migrate_req`, which the daemon turns on); without either the kernel
+/// resets them, 1 or 2 of some 27,000 connections here in 2 of 3 runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rolling_restarts_refuse_no_new_connection_with_splice() {
     rolling_restarts_refuse_no_new_connection("splice", "127.1.9.1", "127.1.9.254").await;
@@ -1194,9 +1194,14 @@ async fn rolling_restarts_refuse_no_new_connection(dataplane: &str, pod_ip: &str
         })
         .collect();
 
+    // Each daemon sends what is queued on its predecessor's closing listeners to its
+    // own (see `migrate.rs`).
+    let migration = "waypoint_migration_program";
+    assert_eq!(sample(daemon.admin_addr, migration).await, 1.0);
     for n in 1..=3 {
         tokio::time::sleep(Duration::from_millis(300)).await;
         let next = spawn_on(&file, tunnel, admin(n), &args, None).await;
+        assert_eq!(sample(next.admin_addr, migration).await, 1.0);
         tokio::time::sleep(Duration::from_millis(300)).await;
         let status = daemon.terminate().await;
         assert!(status.success(), "the old daemon's exit: {status}");

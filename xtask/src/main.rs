@@ -355,12 +355,15 @@ fn build_ebpf(root: &Path) -> anyhow::Result<()> {
             "CARGO_ENCODED_RUSTFLAGS",
             "--cfg=bpf_target_arch=\"x86_64\"\x1f-Cdebuginfo=2\x1f-Clink-arg=--btf",
         ))?;
-    let built = target_dir.join("bpfel-unknown-none/release/waypoint");
-    let out = root.join("target/ebpf/waypoint");
-    std::fs::create_dir_all(out.parent().context("no parent")?)?;
-    std::fs::copy(&built, &out)
-        .with_context(|| format!("copying {} to {}", built.display(), out.display()))?;
-    eprintln!("eBPF object: {}", out.display());
+    // The splice's object and the reuseport migration's (see waypoint-ebpf/Cargo.toml).
+    for name in ["waypoint", "waypoint-reuseport"] {
+        let built = target_dir.join("bpfel-unknown-none/release").join(name);
+        let out = root.join("target/ebpf").join(name);
+        std::fs::create_dir_all(out.parent().context("no parent")?)?;
+        std::fs::copy(&built, &out)
+            .with_context(|| format!("copying {} to {}", built.display(), out.display()))?;
+        eprintln!("eBPF object: {}", out.display());
+    }
     Ok(())
 }
 
