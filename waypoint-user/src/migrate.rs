@@ -104,7 +104,6 @@ mod tests {
     use std::{
         io::Write as _,
         net::{SocketAddr, TcpStream},
-        os::fd::AsRawFd,
     };
 
     use super::*;
@@ -120,30 +119,12 @@ mod tests {
 
     /// Connections queued for `accept` on `l` (`tcpi_unacked` of a listener).
     fn queued(l: &TcpListener) -> u32 {
-        let mut info: libc::tcp_info = unsafe_zeroed();
-        let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
-        // SAFETY: `info` is a writable tcp_info of `len` bytes and `l` an open socket.
-        let r = unsafe {
-            libc::getsockopt(
-                l.as_raw_fd(),
-                libc::IPPROTO_TCP,
-                libc::TCP_INFO,
-                (&raw mut info).cast(),
-                &mut len,
-            )
-        };
-        assert_eq!(r, 0, "TCP_INFO: {}", std::io::Error::last_os_error());
-        info.tcpi_unacked
+        crate::sys::tcp_info(l).unwrap().tcpi_unacked
     }
 
     fn before_5_14() -> bool {
         use aya::util::KernelVersion;
         KernelVersion::current().is_ok_and(|v| v < KernelVersion::new(5, 14, 0))
-    }
-
-    fn unsafe_zeroed() -> libc::tcp_info {
-        // SAFETY: tcp_info is plain integers, for which all zeros is a value.
-        unsafe { std::mem::zeroed() }
     }
 
     /// The old daemon's two listeners and the new daemon's two, with the new one's
