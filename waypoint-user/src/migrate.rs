@@ -32,9 +32,9 @@ static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/wa
 /// Why the program could not be attached.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// More listeners than the program's map can hold.
-    #[error("{0} listeners, more than the {MAX_LISTENERS} the migration program holds")]
-    TooMany(usize),
+    /// No listener, or more than the program's map can hold.
+    #[error("{0} listeners: the migration program holds 1 to {MAX_LISTENERS}")]
+    Count(usize),
     /// The object could not be loaded (its map created).
     #[error("loading the migration object: {0}")]
     Load(#[from] aya::EbpfError),
@@ -68,7 +68,7 @@ pub fn attach(listeners: &[TcpListener]) -> Result<Migration, Error> {
     let count = u32::try_from(listeners.len())
         .ok()
         .filter(|n| (1..=MAX_LISTENERS).contains(n))
-        .ok_or(Error::TooMany(listeners.len()))?;
+        .ok_or(Error::Count(listeners.len()))?;
     // Kernels before 5.11 charge maps to RLIMIT_MEMLOCK; where it cannot be raised, the
     // load says so.
     let _ = crate::sys::raise_memlock_limit();
@@ -76,6 +76,12 @@ pub fn attach(listeners: &[TcpListener]) -> Result<Migration, Error> {
         .map_max_entries(LISTENERS_MAP, count)
         .override_global(LISTENER_COUNT, &count, true)
         .load(OBJECT)?;
+    // The program first: where the kernel refuses it, the listeners are left untouched.
+    let program: &mut SkReuseport = ebpf
+        .program_mut(MIGRATE_PROG)
+        .ok_or(ProgramError::NotLoaded)?
+        .try_into()?;
+    program.load()?;
     {
         let mut map: ReusePortSockArray<_> = ebpf
             .map_mut(LISTENERS_MAP)
@@ -85,11 +91,10 @@ pub fn attach(listeners: &[TcpListener]) -> Result<Migration, Error> {
             map.set(i, listener, 0)?;
         }
     }
-    let program: &mut SkReuseport = ebpf
-        .program_mut(MIGRATE_PROG)
+    let program: &SkReuseport = ebpf
+        .program(MIGRATE_PROG)
         .ok_or(ProgramError::NotLoaded)?
         .try_into()?;
-    program.load()?;
     // The map is full before the group runs the program.
     program.attach(listeners[0].as_fd())?;
     Ok(Migration { _ebpf: ebpf })
@@ -125,6 +130,12 @@ mod tests {
     fn before_5_14() -> bool {
         use aya::util::KernelVersion;
         KernelVersion::current().is_ok_and(|v| v < KernelVersion::new(5, 14, 0))
+    }
+
+    /// No listener: refused before anything is loaded.
+    #[test]
+    fn no_listener_is_refused() {
+        assert!(matches!(attach(&[]), Err(Error::Count(0))));
     }
 
     /// The old daemon's two listeners and the new daemon's two, with the new one's
