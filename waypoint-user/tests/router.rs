@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use common::{
     daemon::{
-        echo_pod, endpoint, sample, spawn, spawn_on, spawn_with_fd_limit, start, status, try_start,
-        EndpointsFile,
+        echo_pod, endpoint, sample, spawn, spawn_as, spawn_on, spawn_with_fd_limit, start, status,
+        try_start, Child, EndpointsFile,
     },
     hello::{fixture, with_server_name},
 };
@@ -1123,6 +1123,44 @@ async fn overlapping_restart_binds_the_same_ports() {
     new.shutdown().await;
 }
 
+/// Where the migration program cannot load (here: no CAP_BPF nor CAP_SYS_ADMIN), the
+/// daemon says so (`waypoint_migration_program` 0) and serves; `--migrate-requests=false`
+/// attaches none either. The same daemon with its capabilities attaches it, from Linux
+/// 5.14 on (before, the kernel has no migration hook: 0 there too).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_migration_program_the_daemon_serves_and_says_so() {
+    let _pod = echo_pod("127.1.31.1", 15008).await;
+    let file = reviews_at("127.1.31.1");
+    let hello = hello_for("8080.reviews.bookinfo.mesh.local");
+    let migration = "waypoint_migration_program";
+    let args = ["--dataplane", "copy"];
+    let with = spawn(&file, "127.1.31.254", &args).await;
+    let hook = aya::util::KernelVersion::current()
+        .is_ok_and(|v| v >= aya::util::KernelVersion::new(5, 14, 0));
+    assert_eq!(
+        sample(with.admin_addr, migration).await,
+        if hook { 1.0 } else { 0.0 }
+    );
+    let without_bpf = Child {
+        without_bpf: true,
+        ..Child::default()
+    };
+    let no_bpf = spawn_as(&file, "127.1.31.253", &args, without_bpf).await;
+    assert_eq!(sample(no_bpf.admin_addr, migration).await, 0.0);
+    echo_through(no_bpf.tunnel_addr, &hello, b"served without CAP_BPF").await;
+    let told = spawn(
+        &file,
+        "127.1.31.252",
+        &["--dataplane", "copy", "--migrate-requests=false"],
+    )
+    .await;
+    assert_eq!(sample(told.admin_addr, migration).await, 0.0);
+    echo_through(told.tunnel_addr, &hello, b"served, told not to").await;
+    for daemon in [with, no_bpf, told] {
+        assert!(daemon.terminate().await.success());
+    }
+}
+
 /// Three rolling restarts while clients open connections in a loop: each new daemon
 /// binds beside the old one (SO_REUSEPORT), the old one drains, and not one new
 /// connection fails. A closed listener's queue (connections the kernel completed but
@@ -1152,7 +1190,7 @@ async fn rolling_restarts_refuse_no_new_connection(dataplane: &str, pod_ip: &str
     let args = ["--dataplane", dataplane, "--workers", "2"];
     let tunnel: std::net::SocketAddr = format!("{ip}:15443").parse().unwrap();
     let admin = |n: u16| format!("{ip}:{}", 15021 + n).parse().unwrap();
-    let mut daemon = spawn_on(&file, tunnel, admin(0), &args, None).await;
+    let mut daemon = spawn_on(&file, tunnel, admin(0), &args, Child::default()).await;
     let hello = hello_for("8080.reviews.bookinfo.mesh.local");
 
     let stop = tokio_util::sync::CancellationToken::new();
@@ -1200,7 +1238,7 @@ async fn rolling_restarts_refuse_no_new_connection(dataplane: &str, pod_ip: &str
     assert_eq!(sample(daemon.admin_addr, migration).await, 1.0);
     for n in 1..=3 {
         tokio::time::sleep(Duration::from_millis(300)).await;
-        let next = spawn_on(&file, tunnel, admin(n), &args, None).await;
+        let next = spawn_on(&file, tunnel, admin(n), &args, Child::default()).await;
         assert_eq!(sample(next.admin_addr, migration).await, 1.0);
         tokio::time::sleep(Duration::from_millis(300)).await;
         let status = daemon.terminate().await;
@@ -1321,7 +1359,7 @@ async fn a_killed_daemons_connection_flows_on_and_is_adopted_with_rewrite_splice
     let admin: std::net::SocketAddr = format!("{ip}:15021").parse().unwrap();
     let pin_dir = common::daemon::test_pin_dir(tunnel.ip());
     common::daemon::remove_pins(&pin_dir);
-    let daemon = spawn_on(&file, tunnel, admin, &args, None).await;
+    let daemon = spawn_on(&file, tunnel, admin, &args, Child::default()).await;
     let (mut c, mut p) = through_to(tunnel, &pod).await;
     let rewritten = "waypoint_rewrite_connections_total{result=\"rewritten\"}";
     until_sample(admin, rewritten, 1.0, "the connection rewritten").await;
@@ -1359,7 +1397,7 @@ async fn a_killed_daemons_connection_flows_on_and_is_adopted_with_rewrite_splice
     assert_eq!(programs(), 1, "the killed daemon's program is pinned");
     // No daemon runs: the kernel carries the connection alone.
     ping_pong(&mut c, &mut p, 20).await;
-    let next = spawn_on(&file, tunnel, admin, &args, None).await;
+    let next = spawn_on(&file, tunnel, admin, &args, Child::default()).await;
     assert_eq!(sample(admin, "waypoint_adopted_connections").await, 1.0);
     assert_eq!(sample(admin, "waypoint_adoptions_total").await, 1.0);
     ping_pong(&mut c, &mut p, 20).await;
@@ -1420,7 +1458,7 @@ async fn rewritten_streams_outlive_three_upgrades_and_a_kill_with_rewrite_splice
     let admin = |n: u16| -> std::net::SocketAddr { format!("{ip}:{}", 15021 + n).parse().unwrap() };
     let pin_dir = common::daemon::test_pin_dir(tunnel.ip());
     common::daemon::remove_pins(&pin_dir);
-    let mut daemon = spawn_on(&file, tunnel, admin(0), &args, None).await;
+    let mut daemon = spawn_on(&file, tunnel, admin(0), &args, Child::default()).await;
     let mut pairs = Vec::new();
     for _ in 0..STREAMS {
         pairs.push(through_to(tunnel, &pod).await);
@@ -1450,7 +1488,7 @@ async fn rewritten_streams_outlive_three_upgrades_and_a_kill_with_rewrite_splice
     }
     for n in 1..=3u16 {
         tokio::time::sleep(Duration::from_millis(500)).await;
-        let next = spawn_on(&file, tunnel, admin(n), &args, None).await;
+        let next = spawn_on(&file, tunnel, admin(n), &args, Child::default()).await;
         let status = daemon.terminate().await;
         assert!(
             status.success(),
@@ -1469,7 +1507,7 @@ async fn rewritten_streams_outlive_three_upgrades_and_a_kill_with_rewrite_splice
     drop(daemon); // SIGKILL, and waits for the exit.
                   // No daemon at all for a while.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let last = spawn_on(&file, tunnel, admin(4), &args, None).await;
+    let last = spawn_on(&file, tunnel, admin(4), &args, Child::default()).await;
     assert_eq!(
         sample(admin(4), "waypoint_adopted_connections").await,
         STREAMS as f64
@@ -1637,7 +1675,7 @@ async fn killed_mid_connection(args: &[&str], pod_ip: &str, ip: &str, late_ack: 
     let file = reviews_at(pod_ip);
     let tunnel: std::net::SocketAddr = format!("{ip}:15443").parse().unwrap();
     let admin: std::net::SocketAddr = format!("{ip}:15021").parse().unwrap();
-    let daemon = spawn_on(&file, tunnel, admin, args, None).await;
+    let daemon = spawn_on(&file, tunnel, admin, args, Child::default()).await;
     let drop_acks = late_ack.then(|| DropPodAcks::new(pod_ip));
     let (mut c, mut p) = through_to(tunnel, &pod).await;
     if let Some(drop_acks) = drop_acks {
@@ -1660,7 +1698,7 @@ async fn killed_mid_connection(args: &[&str], pod_ip: &str, ip: &str, late_ack: 
     let rewritten = "waypoint_rewrite_connections_total{result=\"rewritten\"}";
     let rewritten = sample(admin, rewritten).await == 1.0;
     drop(daemon); // SIGKILL, and waits for the exit.
-    let _next = spawn_on(&file, tunnel, admin, args, None).await;
+    let _next = spawn_on(&file, tunnel, admin, args, Child::default()).await;
     let mut b = [0u8; 16];
     // A write may fail already (a reset came in): the read then says how it ended.
     let _ = c.write_all(b"after").await;

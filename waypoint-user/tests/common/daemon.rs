@@ -238,9 +238,28 @@ pub async fn spawn_with_fd_limit(
     args: &[&str],
     nofile: Option<u64>,
 ) -> Process {
+    let child = Child {
+        nofile,
+        ..Child::default()
+    };
+    spawn_as(file, ip, args, child).await
+}
+
+/// [`spawn`], with the child set up as `child` says.
+pub async fn spawn_as(file: &EndpointsFile, ip: &str, args: &[&str], child: Child) -> Process {
     let tunnel_addr: SocketAddr = format!("{ip}:15443").parse().unwrap();
     let admin_addr: SocketAddr = format!("{ip}:15021").parse().unwrap();
-    spawn_on(file, tunnel_addr, admin_addr, args, nofile).await
+    spawn_on(file, tunnel_addr, admin_addr, args, child).await
+}
+
+/// How a daemon's process is set up before it runs.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Child {
+    /// RLIMIT_NOFILE, soft and hard.
+    pub nofile: Option<u64>,
+    /// Without CAP_BPF and CAP_SYS_ADMIN (dropped from the bounding set, so that root's
+    /// exec does not get them): no eBPF program loads.
+    pub without_bpf: bool,
 }
 
 /// [`spawn`] on these addresses. A second process on the same tunnel address shares it
@@ -250,14 +269,15 @@ pub async fn spawn_on(
     tunnel_addr: SocketAddr,
     admin_addr: SocketAddr,
     args: &[&str],
-    nofile: Option<u64>,
+    setup: Child,
 ) -> Process {
     use std::os::unix::process::CommandExt as _;
     let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_waypoint"));
-    if let Some(n) = nofile {
-        // SAFETY: setrlimit is async-signal-safe, and the closure touches nothing else.
-        unsafe {
-            command.pre_exec(move || {
+    // SAFETY: setrlimit and prctl are async-signal-safe, and the closure touches nothing
+    // else.
+    unsafe {
+        command.pre_exec(move || {
+            if let Some(n) = setup.nofile {
                 let lim = libc::rlimit {
                     rlim_cur: n,
                     rlim_max: n,
@@ -265,9 +285,23 @@ pub async fn spawn_on(
                 if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
                     return Err(std::io::Error::last_os_error());
                 }
-                Ok(())
-            });
-        }
+            }
+            if setup.without_bpf {
+                for cap in [caps::Capability::CAP_BPF, caps::Capability::CAP_SYS_ADMIN] {
+                    if libc::prctl(
+                        libc::PR_CAPBSET_DROP,
+                        libc::c_ulong::from(cap.index()),
+                        0,
+                        0,
+                        0,
+                    ) != 0
+                    {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+            }
+            Ok(())
+        });
     }
     let pin_dir = test_pin_dir(tunnel_addr.ip());
     let pin_args = if args.contains(&"--pin-dir") {
